@@ -1,0 +1,92 @@
+//! Per-stream flow control, sender side: bytes the peer has granted.
+//!
+//! The receiver starts each stream with a window of `stream_window` bytes and
+//! grants more as its application consumes messages (see `RecvWindow`). A
+//! sender may start a message whenever the window is positive, so a message
+//! larger than the whole window still goes through, alone; what a receiver
+//! buffers per stream is thus bounded by window + one maximum message.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+use tokio::sync::Notify;
+
+/// Bytes a stream's sender may still send. One sender, many granters.
+#[derive(Debug)]
+pub(crate) struct SendWindow {
+    available: AtomicI64,
+    closed: AtomicBool,
+    changed: Notify,
+}
+
+/// The call ended while a sender waited for window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WindowClosed;
+
+impl SendWindow {
+    pub(crate) fn new(initial: u32) -> SendWindow {
+        SendWindow { available: AtomicI64::new(initial.into()), closed: AtomicBool::new(false), changed: Notify::new() }
+    }
+
+    /// Waits until the window is positive, then takes `len` bytes of it.
+    pub(crate) async fn reserve(&self, len: usize) -> Result<(), WindowClosed> {
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(WindowClosed);
+            }
+            if self.available.load(Ordering::Acquire) > 0 {
+                self.available.fetch_sub(len.min(i64::MAX as usize) as i64, Ordering::AcqRel);
+                return Ok(());
+            }
+            // `notify_one` stores a permit, so a grant between the check and here is not lost.
+            self.changed.notified().await;
+        }
+    }
+
+    /// The peer granted `bytes` more.
+    pub(crate) fn grant(&self, bytes: u32) {
+        self.available.fetch_add(bytes.into(), Ordering::AcqRel);
+        self.changed.notify_one();
+    }
+
+    /// Wakes a waiting sender for good: the call is over.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.changed.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_sender_waits_for_a_grant_and_may_overshoot_once() {
+        let window = Arc::new(SendWindow::new(10));
+        window.reserve(25).await.unwrap(); // larger than the window: goes, alone
+        let waiter = tokio::spawn({
+            let window = Arc::clone(&window);
+            async move { window.reserve(1).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "sent with a window of -15");
+        window.grant(15); // back to 0: still not positive
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "sent with a window of 0");
+        window.grant(1);
+        assert_eq!(waiter.await.unwrap(), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn closing_wakes_a_waiting_sender_with_an_error() {
+        let window = Arc::new(SendWindow::new(0));
+        let waiter = tokio::spawn({
+            let window = Arc::clone(&window);
+            async move { window.reserve(1).await }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        window.close();
+        assert_eq!(waiter.await.unwrap(), Err(WindowClosed));
+    }
+}

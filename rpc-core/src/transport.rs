@@ -1,0 +1,202 @@
+//! The seam between the RPC runtime and the wire: message-oriented transports.
+//!
+//! A [`Transport`] connects to and listens on addresses of one URL scheme
+//! (`tcp`, `rdma`, `mem`). A [`Connection`] carries whole frames both ways:
+//!
+//! - [`FrameSink::poll_send`] hands the transport an [`OutFrame`] that knows
+//!   its length; the transport gives it a buffer of its own to encode into
+//!   (registered memory for RDMA, the socket's write buffer for TCP), so a
+//!   message is encoded exactly once and never copied by the runtime.
+//! - [`FrameSource::poll_recv`] yields each received frame as [`Bytes`] that
+//!   may point into the transport's receive buffer; the transport gets the
+//!   space back when the last reference drops.
+//!
+//! Transports are found by scheme in a process-wide registry: a program calls
+//! e.g. `transport_tcp::install()` once, and every `tcp://` address works.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock, RwLock};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+
+use crate::frame::OutFrame;
+
+pub mod mem;
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A way to reach peers: connect to and listen on addresses of one scheme.
+pub trait Transport: Send + Sync + 'static {
+    /// The URL scheme this transport serves, e.g. `"tcp"`.
+    fn scheme(&self) -> &'static str;
+
+    /// Connects to `authority` (the address without `scheme://`, e.g. `10.0.0.5:7000`).
+    fn connect<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Connection, TransportError>>;
+
+    /// Starts listening on `authority`.
+    fn listen<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>>;
+}
+
+/// Limits a connection's frames must respect, set by the runtime from its configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameLimits {
+    /// The longest frame, head and header fields included, either way.
+    /// A longer incoming frame is a protocol error that closes the connection.
+    pub max_frame_len: usize,
+}
+
+/// Accepts connections on a listening address.
+pub trait Listener: Send + 'static {
+    /// Waits for the next connection.
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>>;
+
+    /// The address actually bound, as a full URL (`tcp://127.0.0.1:40123`):
+    /// with port 0, this tells the port the system chose.
+    fn local_addr(&self) -> String;
+}
+
+/// One established connection, split into its sending and receiving halves.
+pub struct Connection {
+    /// Sends frames; shared by every task that sends on this connection.
+    pub sink: Arc<dyn FrameSink>,
+    /// Receives frames; owned by the one task that reads this connection.
+    pub source: Box<dyn FrameSource>,
+    /// The peer, for logs and errors (`tcp://10.0.0.5:7000`).
+    pub peer: String,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// The sending half of a connection.
+///
+/// Frames from one `poll_send` caller arrive in the order sent. Frames from
+/// different callers interleave whole, never byte-wise.
+pub trait FrameSink: Send + Sync + 'static {
+    /// Sends `frame`, or returns `Pending` (and wakes `cx` later) while the
+    /// transport has no room: its buffer is full, or the peer has granted no
+    /// credit. When this returns `Ready(Ok(()))` the frame has been encoded
+    /// into the transport's memory and will be sent without further calls.
+    ///
+    /// Fails once the connection is closed or broken; the error is the cause.
+    fn poll_send(&self, cx: &mut Context<'_>, frame: &OutFrame<'_>) -> Poll<Result<(), TransportError>>;
+
+    /// Starts an orderly close: frames already accepted are still sent, then
+    /// the peer sees end-of-stream. Later sends fail with [`TransportError::Closed`].
+    fn close(&self);
+}
+
+/// The receiving half of a connection.
+pub trait FrameSource: Send + 'static {
+    /// The next whole frame; `Ok(None)` when the peer closed the connection in order.
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>>;
+}
+
+impl dyn FrameSink {
+    /// Sends `frame`, waiting while the transport has no room.
+    pub async fn send(&self, frame: &OutFrame<'_>) -> Result<(), TransportError> {
+        std::future::poll_fn(|cx| self.poll_send(cx, frame)).await
+    }
+}
+
+impl dyn FrameSource {
+    /// Receives the next frame.
+    pub async fn recv(&mut self) -> Result<Option<Bytes>, TransportError> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+}
+
+/// Why a transport operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// An operating-system or device call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done (`connect to 10.0.0.5:7000`).
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The address is not one this transport understands.
+    #[error("invalid address {address:?}: {reason}")]
+    InvalidAddress {
+        /// The address as given.
+        address: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The peer sent a frame longer than the connection's limit.
+    #[error("peer sent a frame of {len} bytes, over the limit of {max}")]
+    FrameTooLarge {
+        /// Announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The peer broke the transport's own protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The connection was closed (by this side, or the peer went away).
+    #[error("connection closed")]
+    Closed,
+}
+
+impl TransportError {
+    /// An [`TransportError::Io`] with what was being done.
+    pub fn io(context: impl Into<String>, source: io::Error) -> TransportError {
+        TransportError::Io { context: context.into(), source }
+    }
+}
+
+fn registry() -> &'static RwLock<HashMap<&'static str, Arc<dyn Transport>>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<&'static str, Arc<dyn Transport>>>> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        let mut transports: HashMap<&'static str, Arc<dyn Transport>> = HashMap::new();
+        transports.insert("mem", Arc::new(mem::MemTransport));
+        RwLock::new(transports)
+    })
+}
+
+/// Makes `transport` serve its scheme in this process (replacing any earlier one).
+///
+/// Transport crates wrap this in an `install()` function with default settings.
+pub fn register(transport: Arc<dyn Transport>) {
+    registry().write().unwrap_or_else(|e| e.into_inner()).insert(transport.scheme(), transport);
+}
+
+/// The transport registered for `scheme`.
+pub fn lookup(scheme: &str) -> Option<Arc<dyn Transport>> {
+    registry().read().unwrap_or_else(|e| e.into_inner()).get(scheme).cloned()
+}
+
+/// The schemes that have a transport, sorted (for error messages).
+pub fn registered_schemes() -> Vec<&'static str> {
+    let mut schemes: Vec<_> = registry().read().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+    schemes.sort_unstable();
+    schemes
+}
+
+/// Splits `scheme://authority`.
+pub fn split_address(address: &str) -> Option<(&str, &str)> {
+    let (scheme, authority) = address.split_once("://")?;
+    (!scheme.is_empty() && !authority.is_empty()).then_some((scheme, authority))
+}
