@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
-use crate::frame::{EncodePayload, Frame, FrameBody, OutBody, OutFrame, HEAD_LEN, MAX_HEADER_LEN};
+use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame, HEAD_LEN, MAX_HEADER_LEN};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -455,6 +455,11 @@ impl ClientConn {
                     Err(error) => break Status::internal(format!("{} sent a malformed frame: {error}", self.peer)),
                 },
                 Ok(None) => break Status::unavailable(format!("connection to {} closed by the server", self.peer)),
+                Err(TransportError::Oversized { len, prefix, .. }) => match peek_head(&prefix) {
+                    Ok((id, FrameKind::Message | FrameKind::Status)) => self.refuse_oversized(id, len),
+                    Ok((_, kind)) => break Status::internal(format!("{} sent a {kind:?} frame of {len} bytes", self.peer)),
+                    Err(error) => break Status::internal(format!("{} sent a malformed frame: {error}", self.peer)),
+                },
                 Err(error) => break Status::unavailable(format!("connection to {} failed: {error}", self.peer)),
             }
         };
@@ -474,6 +479,9 @@ impl ClientConn {
                 if let Some(payload) = frame.payload {
                     self.deliver(id, payload);
                 }
+            }
+            FrameBody::Status(_) if frame.payload.as_ref().is_some_and(|p| p.len() > self.max_message_size) => {
+                self.refuse_oversized(id, frame.payload.map_or(0, |p| p.len()));
             }
             FrameBody::Status(status) => {
                 if let Some(slot) = self.take_call(id) {
@@ -508,17 +516,18 @@ impl ClientConn {
         Ok(())
     }
 
+    /// Fails the call a too-large response message belongs to; the connection goes on.
+    fn refuse_oversized(&self, id: u64, len: usize) {
+        let status = Status::resource_exhausted(format!(
+            "response message of {len} bytes is larger than the maximum message size of {} bytes",
+            self.max_message_size
+        ));
+        self.fail_call(id, status);
+    }
+
     fn deliver(&self, id: u64, payload: Bytes) {
         if payload.len() > self.max_message_size {
-            self.fail_call(
-                id,
-                Status::resource_exhausted(format!(
-                    "response message of {} bytes is larger than the maximum message size of {} bytes",
-                    payload.len(),
-                    self.max_message_size
-                )),
-            );
-            return;
+            return self.refuse_oversized(id, payload.len());
         }
         let (key, generation) = split_id(id);
         if let Some(slot) = self.table().slots.get(key).filter(|s| s.generation == generation) {

@@ -270,6 +270,20 @@ impl Frame {
     }
 }
 
+/// The call id and kind from the head of a frame that was not delivered
+/// whole (see `TransportError::Oversized`).
+pub fn peek_head(prefix: &[u8]) -> Result<(u64, FrameKind), FrameError> {
+    if prefix.len() < HEAD_LEN {
+        return Err(FrameError::Truncated("head"));
+    }
+    if prefix[0] != PROTOCOL_VERSION {
+        return Err(FrameError::UnsupportedVersion { got: prefix[0] });
+    }
+    let kind = FrameKind::from_u8(prefix[1]).ok_or(FrameError::UnknownKind(prefix[1]))?;
+    let call_id = u64::from_le_bytes(prefix[4..12].try_into().expect("8 bytes"));
+    Ok((call_id, kind))
+}
+
 fn get_u32(buf: &mut Bytes, what: &'static str) -> Result<u32, FrameError> {
     if buf.remaining() < 4 {
         return Err(FrameError::Truncated(what));
@@ -326,7 +340,7 @@ pub trait EncodePayload: Sync {
     fn encode_payload(&self, dst: &mut dyn BufMut);
 }
 
-impl EncodePayload for [u8] {
+impl EncodePayload for Bytes {
     fn payload_len(&self) -> usize {
         self.len()
     }
@@ -547,11 +561,11 @@ mod tests {
         let mut metadata = MetadataMap::new();
         metadata.insert("x-trace", "abc");
         metadata.insert("bin", vec![0u8, 255, 7]);
-        let payload: &[u8] = b"hello";
+        let payload = Bytes::from_static(b"hello");
         let frame = OutFrame::new(
             7 << 32 | 3,
             OutBody::Request { method: "/pkg.Svc/Do", timeout: Some(Duration::from_millis(1500)), metadata: &metadata },
-            Some(payload),
+            Some(&payload),
             true,
         )
         .unwrap();
@@ -567,8 +581,8 @@ mod tests {
 
     #[test]
     fn empty_message_differs_from_no_message() {
-        let empty: &[u8] = b"";
-        let with = round_trip(&OutFrame::new(1, OutBody::Message, Some(empty), false).unwrap());
+        let empty = Bytes::new();
+        let with = round_trip(&OutFrame::new(1, OutBody::Message, Some(&empty), false).unwrap());
         assert_eq!(with.payload, Some(Bytes::new()));
         let without = round_trip(&OutFrame::control(1, OutBody::Message, true));
         assert_eq!(without.payload, None);
@@ -597,8 +611,8 @@ mod tests {
 
     #[test]
     fn lengths_that_disagree_with_the_frame_are_refused() {
-        let payload: &[u8] = b"abc";
-        let good = OutFrame::new(1, OutBody::Message, Some(payload), false).unwrap().to_bytes();
+        let payload = Bytes::from_static(b"abc");
+        let good = OutFrame::new(1, OutBody::Message, Some(&payload), false).unwrap().to_bytes();
         // Cut one byte off: the head still claims 3 payload bytes.
         let err = Frame::decode(good.slice(..good.len() - 1)).unwrap_err();
         assert!(matches!(err, FrameError::LengthMismatch { payload: 3, actual: 2, .. }), "{err:?}");
@@ -661,13 +675,13 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let sample: &[u8] = b"payload";
+        let sample = Bytes::from_static(b"payload");
         let mut metadata = MetadataMap::new();
         metadata.insert("k", "v");
         let valid = OutFrame::new(
             5,
             OutBody::Request { method: "/s/m", timeout: None, metadata: &metadata },
-            Some(sample),
+            Some(&sample),
             false,
         )
         .unwrap()

@@ -10,6 +10,7 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 
+use crate::client::INITIAL_STREAM_WINDOW;
 use crate::frame::{OutBody, OutFrame};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -199,8 +200,16 @@ pub(crate) struct RecvWindow {
 }
 
 impl RecvWindow {
+    /// A window of `window` bytes: every stream starts at the protocol's
+    /// initial window, so the first read grants the difference.
     pub(crate) fn new(sink: Arc<dyn FrameSink>, call_id: u64, window: u32) -> RecvWindow {
-        RecvWindow { sink, call_id, consumed: 0, threshold: (window / 2).max(1), pending_grant: 0 }
+        RecvWindow {
+            sink,
+            call_id,
+            consumed: 0,
+            threshold: (window / 2).max(1),
+            pending_grant: window.saturating_sub(INITIAL_STREAM_WINDOW),
+        }
     }
 
     fn consumed(&mut self, len: usize) {

@@ -18,7 +18,7 @@ use tracing::Instrument;
 use crate::client::{frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT};
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
-use crate::frame::{EncodePayload, Frame, FrameBody, OutBody, OutFrame};
+use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -302,27 +302,13 @@ impl ServerConn {
                     return Ok(self.send_final(id, &Status::unavailable("server is shutting down")).await);
                 }
                 if let Some(len) = frame.payload.as_ref().map(Bytes::len).filter(|&l| l > self.routes.max_message_size) {
-                    let status = Status::resource_exhausted(format!(
-                        "request message of {len} bytes is larger than the server's maximum message size of {} bytes",
-                        self.routes.max_message_size
-                    ));
-                    return Ok(self.send_final(id, &status).await);
+                    return self.refuse_oversized(id, FrameKind::Request, len).await;
                 }
                 self.open_call(id, method, timeout, metadata, frame.payload, frame.end_stream).await;
             }
             FrameBody::Message => {
                 if let Some(len) = frame.payload.as_ref().map(Bytes::len).filter(|&l| l > self.routes.max_message_size) {
-                    if let Some(slot) = self.end_call(id) {
-                        if let Some(task) = slot.task {
-                            task.abort();
-                        }
-                        let status = Status::resource_exhausted(format!(
-                            "request message of {len} bytes is larger than the server's maximum message size of {} bytes",
-                            self.routes.max_message_size
-                        ));
-                        self.send_final(id, &status).await;
-                    }
-                    return Ok(());
+                    return self.refuse_oversized(id, FrameKind::Message, len).await;
                 }
                 let mut calls = self.calls();
                 let Some(slot) = calls.get_mut(&id) else {
@@ -354,6 +340,27 @@ impl ServerConn {
             }
             FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
             FrameBody::Status(_) => return Err("a client does not send Status frames".into()),
+        }
+        Ok(())
+    }
+
+    /// Fails the call a too-large request message belongs to; the connection goes on.
+    async fn refuse_oversized(&self, id: u64, kind: FrameKind, len: usize) -> Result<(), String> {
+        let status = Status::resource_exhausted(format!(
+            "request message of {len} bytes is larger than the server's maximum message size of {} bytes",
+            self.routes.max_message_size
+        ));
+        match kind {
+            FrameKind::Request => self.send_final(id, &status).await,
+            FrameKind::Message => {
+                if let Some(slot) = self.end_call(id) {
+                    if let Some(task) = slot.task {
+                        task.abort();
+                    }
+                    self.send_final(id, &status).await;
+                }
+            }
+            other => return Err(format!("{other:?} frame of {len} bytes")),
         }
         Ok(())
     }
@@ -462,6 +469,15 @@ async fn serve_connection(routes: Arc<Routes>, connection: Connection, mut shutd
                     Err(error) => break Some(format!("malformed frame: {error}")),
                 },
                 Ok(None) => break None,
+                Err(TransportError::Oversized { len, prefix, .. }) => {
+                    let refused = match peek_head(&prefix) {
+                        Ok((id, kind)) => conn.refuse_oversized(id, kind, len).await,
+                        Err(error) => Err(format!("malformed frame: {error}")),
+                    };
+                    if let Err(violation) = refused {
+                        break Some(violation);
+                    }
+                }
                 Err(error @ (TransportError::FrameTooLarge { .. } | TransportError::Protocol(_))) => break Some(error.to_string()),
                 Err(error) => {
                     tracing::debug!(peer = %conn.peer, "connection failed: {error}");

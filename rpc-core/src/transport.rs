@@ -52,12 +52,29 @@ pub trait Transport: Send + Sync + 'static {
 }
 
 /// Limits a connection's frames must respect, set by the runtime from its configuration.
+///
+/// An incoming frame longer than `max_frame_len` is not buffered: the source
+/// skips it and returns [`TransportError::Oversized`] with the frame's first
+/// [`OVERSIZED_PREFIX_LEN`] bytes, so the runtime fails that one call with
+/// `ResourceExhausted` and the connection goes on. A frame longer than
+/// [`FrameLimits::max_skip_len`] is taken as a broken peer:
+/// [`TransportError::FrameTooLarge`], and the connection closes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameLimits {
-    /// The longest frame, head and header fields included, either way.
-    /// A longer incoming frame is a protocol error that closes the connection.
+    /// The longest frame delivered, head and header fields included.
     pub max_frame_len: usize,
 }
+
+impl FrameLimits {
+    /// The longest frame skipped rather than treated as a protocol error: 4 × `max_frame_len`.
+    pub fn max_skip_len(&self) -> usize {
+        self.max_frame_len.saturating_mul(4)
+    }
+}
+
+/// How many leading bytes of a skipped frame [`TransportError::Oversized`]
+/// carries: the frame's fixed head, which names its call.
+pub const OVERSIZED_PREFIX_LEN: usize = crate::frame::HEAD_LEN;
 
 /// Accepts connections on a listening address.
 pub trait Listener: Send + 'static {
@@ -144,7 +161,17 @@ pub enum TransportError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The peer sent a frame longer than the connection's limit.
+    /// Not fatal: the peer sent a frame longer than the limit; it was skipped.
+    #[error("peer sent a frame of {len} bytes, over the limit of {max}; it was skipped")]
+    Oversized {
+        /// Announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+        /// The frame's first [`OVERSIZED_PREFIX_LEN`] bytes (fewer if the frame is shorter).
+        prefix: Bytes,
+    },
+    /// The peer sent a frame too long to skip (over [`FrameLimits::max_skip_len`]).
     #[error("peer sent a frame of {len} bytes, over the limit of {max}")]
     FrameTooLarge {
         /// Announced length.

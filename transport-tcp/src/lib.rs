@@ -17,6 +17,9 @@
 //! reads into one buffer and hands each frame up as a [`bytes::Bytes`] slice of
 //! it: no allocation or copy per frame.
 //!
+//! Frames over the connection's limit are dropped as they arrive, never
+//! buffered, and reported as [`TransportError::Oversized`].
+//!
 //! # Back-pressure
 //! Senders wait while more than [`TcpTransport::write_high_water`] bytes are
 //! queued and unwritten, so a peer that stops reading holds its senders back
@@ -31,7 +34,7 @@ use std::task::{ready, Context, Poll, Waker};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{
-    self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError,
+    self, BoxFuture, Connection, OVERSIZED_PREFIX_LEN, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -80,7 +83,7 @@ impl TcpTransport {
         tokio::spawn(write_loop(Arc::clone(&shared), write));
         Ok(Connection {
             sink: Arc::new(TcpSink { shared }),
-            source: Box::new(TcpSource { socket: read, buf: BytesMut::new(), limits }),
+            source: Box::new(TcpSource { socket: read, buf: BytesMut::new(), limits, skip: 0 }),
             peer,
         })
     }
@@ -240,28 +243,45 @@ struct TcpSource {
     socket: OwnedReadHalf,
     buf: BytesMut,
     limits: FrameLimits,
+    /// Bytes of an oversized frame still to drop.
+    skip: usize,
 }
 
 impl FrameSource for TcpSource {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         loop {
+            if self.skip > 0 {
+                // The rest of an oversized frame: drop it as it arrives.
+                let dropped = self.skip.min(self.buf.len());
+                self.buf.advance(dropped);
+                self.skip -= dropped;
+            }
             let mut want = READ_CHUNK;
-            if self.buf.len() >= 4 {
+            if self.skip == 0 && self.buf.len() >= 4 {
                 let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
-                if len > self.limits.max_frame_len {
-                    return Poll::Ready(Err(TransportError::FrameTooLarge { len, max: self.limits.max_frame_len }));
+                let max = self.limits.max_frame_len;
+                if len > self.limits.max_skip_len() {
+                    return Poll::Ready(Err(TransportError::FrameTooLarge { len, max }));
                 }
-                if self.buf.len() >= 4 + len {
+                let prefix_len = OVERSIZED_PREFIX_LEN.min(len);
+                if len > max && self.buf.len() >= 4 + prefix_len {
+                    let prefix = Bytes::copy_from_slice(&self.buf[4..4 + prefix_len]);
+                    self.skip = 4 + len;
+                    return Poll::Ready(Err(TransportError::Oversized { len, max, prefix }));
+                }
+                if len <= max && self.buf.len() >= 4 + len {
                     self.buf.advance(4);
                     return Poll::Ready(Ok(Some(self.buf.split_to(len).freeze())));
                 }
-                want = want.max(4 + len - self.buf.len());
+                if len <= max {
+                    want = want.max(4 + len - self.buf.len());
+                }
             }
             self.buf.reserve(want);
             let read = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut self.socket), cx, &mut self.buf))
                 .map_err(|e| TransportError::io("read from peer", e))?;
             if read == 0 {
-                return Poll::Ready(if self.buf.is_empty() {
+                return Poll::Ready(if self.buf.is_empty() && self.skip == 0 {
                     Ok(None)
                 } else {
                     Err(TransportError::Protocol(format!(

@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::{BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError};
+use super::{BoxFuture, OVERSIZED_PREFIX_LEN, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError};
 use crate::frame::OutFrame;
 
 /// The `mem://` transport; registered in every process by default.
@@ -129,9 +129,14 @@ struct MemSource {
 impl FrameSource for MemSource {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(frame)) if frame.len() > self.limits.max_frame_len => {
+            Poll::Ready(Some(frame)) if frame.len() > self.limits.max_skip_len() => {
                 Poll::Ready(Err(TransportError::FrameTooLarge { len: frame.len(), max: self.limits.max_frame_len }))
             }
+            Poll::Ready(Some(frame)) if frame.len() > self.limits.max_frame_len => Poll::Ready(Err(TransportError::Oversized {
+                len: frame.len(),
+                max: self.limits.max_frame_len,
+                prefix: frame.slice(..OVERSIZED_PREFIX_LEN.min(frame.len())),
+            })),
             Poll::Ready(frame) => Poll::Ready(Ok(frame)),
             Poll::Pending => Poll::Pending,
         }
