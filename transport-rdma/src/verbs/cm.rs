@@ -1,0 +1,434 @@
+//! The connection manager (librdmacm): event channel and `cm_id`.
+
+use std::ffi::CStr;
+use std::net::{SocketAddr, SocketAddrV4};
+use std::ptr::{self, NonNull};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use rdma_sys as ffi;
+use rdma_sys::rdma_cm_event_type as event;
+
+use super::{last_os_error, Error, Result};
+
+/// An `rdma_event_channel`: where the connection manager reports events for
+/// the `cm_id`s created on it. Its file descriptor is non-blocking; waits
+/// use `poll(2)` with a timeout.
+pub struct EventChannel {
+    raw: NonNull<ffi::rdma_event_channel>,
+}
+
+impl EventChannel {
+    /// Creates a channel (`rdma_create_event_channel`).
+    pub fn new() -> Result<Rc<Self>> {
+        // SAFETY: no arguments; the result is checked for NULL.
+        let raw = unsafe { ffi::rdma_create_event_channel() };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::CreateEventChannel(last_os_error()))?;
+        let channel = Self { raw };
+        let fd = channel.fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL/F_SETFL
+        // only change its status flags.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(Error::CreateEventChannel(last_os_error()));
+        }
+        Ok(Rc::new(channel))
+    }
+
+    fn fd(&self) -> libc::c_int {
+        // SAFETY: `raw` points to the live channel this value owns.
+        unsafe { self.raw.as_ref().fd }
+    }
+
+    /// Waits up to `timeout` for the next event, copies what the callers
+    /// need out of it and acknowledges it.
+    fn next_event(&self, timeout: Duration) -> Result<Event> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut raw: *mut ffi::rdma_cm_event = ptr::null_mut();
+            // SAFETY: the channel is live; `raw` is a valid out-pointer. The
+            // descriptor is non-blocking, so this returns at once.
+            let ret = unsafe { ffi::rdma_get_cm_event(self.raw.as_ptr(), &mut raw) };
+            if ret == 0 {
+                // SAFETY: on success `raw` points to an event that stays
+                // valid until it is acknowledged below.
+                let event = unsafe { Event::copy_from(&*raw) };
+                // SAFETY: `raw` came from rdma_get_cm_event and is
+                // acknowledged once; nothing refers to it afterwards.
+                unsafe { ffi::rdma_ack_cm_event(raw) };
+                return Ok(event);
+            }
+            let err = last_os_error();
+            if err.kind() != std::io::ErrorKind::WouldBlock {
+                return Err(Error::GetCmEvent(err));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    what: "a connection manager event",
+                    timeout,
+                });
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+            // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+            if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
+                let err = last_os_error();
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(Error::GetCmEvent(err));
+                }
+            }
+        }
+    }
+
+    /// The next event, which must be `expected`.
+    fn expect(&self, expected: event::Type, timeout: Duration) -> Result<Event> {
+        let e = self.next_event(timeout)?;
+        if e.kind == expected {
+            Ok(e)
+        } else {
+            Err(Error::UnexpectedCmEvent {
+                expected: event_name(expected),
+                got: event_str(e.kind),
+                status: e.status,
+            })
+        }
+    }
+}
+
+impl Drop for EventChannel {
+    fn drop(&mut self) {
+        // SAFETY: every `cm_id` on this channel holds an `Rc` to it, so none
+        // is left; the channel is destroyed once.
+        unsafe { ffi::rdma_destroy_event_channel(self.raw.as_ptr()) };
+    }
+}
+
+/// What we keep of an `rdma_cm_event`.
+struct Event {
+    kind: event::Type,
+    status: i32,
+    id: *mut ffi::rdma_cm_id,
+    private_data: Vec<u8>,
+}
+
+impl Event {
+    /// # Safety
+    /// `raw` must be an event from `rdma_get_cm_event` not yet acknowledged.
+    unsafe fn copy_from(raw: &ffi::rdma_cm_event) -> Self {
+        let has_conn_param = matches!(
+            raw.event,
+            event::RDMA_CM_EVENT_CONNECT_REQUEST | event::RDMA_CM_EVENT_ESTABLISHED
+        );
+        let private_data = if has_conn_param {
+            // SAFETY: for these events `param.conn` is the active member
+            // (librdmacm fills it for connected port spaces).
+            let conn = unsafe { raw.param.conn };
+            if conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                // SAFETY: librdmacm guarantees `private_data_len` readable
+                // bytes at `private_data` until the event is acknowledged.
+                unsafe {
+                    std::slice::from_raw_parts(
+                        conn.private_data.cast::<u8>(),
+                        conn.private_data_len.into(),
+                    )
+                }
+                .to_vec()
+            }
+        } else {
+            Vec::new()
+        };
+        Self {
+            kind: raw.event,
+            status: raw.status,
+            id: raw.id,
+            private_data,
+        }
+    }
+}
+
+/// An `rdma_cm_id` in the TCP port space (reliable connected QPs): the
+/// connection manager's handle for one listener or one connection.
+/// Cloning shares the same `cm_id`; it is destroyed when the last clone
+/// (and everything made from it) is dropped.
+///
+/// The waiting methods take the channel's next event and fail if it is not
+/// the one they wait for: the channel is a sequence of steps, so keep one
+/// connection set-up at a time per channel (a listener's channel also
+/// carries its accepted connections' events).
+#[derive(Clone)]
+pub struct CmId {
+    inner: Rc<CmIdInner>,
+}
+
+struct CmIdInner {
+    raw: NonNull<ffi::rdma_cm_id>,
+    channel: Rc<EventChannel>,
+}
+
+impl Drop for CmIdInner {
+    fn drop(&mut self) {
+        // SAFETY: the QP, PD, CQs and MRs made from this id hold a `CmId`
+        // clone, so all are gone; events are acknowledged as soon as they
+        // are read, so rdma_destroy_id does not wait for any.
+        unsafe { ffi::rdma_destroy_id(self.raw.as_ptr()) };
+    }
+}
+
+/// An incoming connection: the new `cm_id` and the client's private data.
+pub struct ConnectRequest {
+    /// The connection's own `cm_id` (create its QP, then accept).
+    pub id: CmId,
+    /// What the client passed to `rdma_connect` (may be zero-padded).
+    pub private_data: Vec<u8>,
+}
+
+impl CmId {
+    /// Creates a `cm_id` on `channel` (`rdma_create_id`, `RDMA_PS_TCP`).
+    pub fn new(channel: &Rc<EventChannel>) -> Result<Self> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: the channel is live; `raw` is a valid out-pointer; the
+        // context pointer is unused (NULL).
+        let ret = unsafe {
+            ffi::rdma_create_id(
+                channel.raw.as_ptr(),
+                &mut raw,
+                ptr::null_mut(),
+                ffi::rdma_port_space::RDMA_PS_TCP,
+            )
+        };
+        let raw = NonNull::new(raw)
+            .filter(|_| ret == 0)
+            .ok_or_else(|| Error::CreateId(last_os_error()))?;
+        Ok(Self {
+            inner: Rc::new(CmIdInner {
+                raw,
+                channel: Rc::clone(channel),
+            }),
+        })
+    }
+
+    /// Adopts a `cm_id` librdmacm created for a connect request on a
+    /// listener of `channel`.
+    fn adopt(raw: *mut ffi::rdma_cm_id, channel: &Rc<EventChannel>) -> Result<Self> {
+        let raw = NonNull::new(raw).ok_or(Error::NoDevice)?;
+        Ok(Self {
+            inner: Rc::new(CmIdInner {
+                raw,
+                channel: Rc::clone(channel),
+            }),
+        })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
+        self.inner.raw.as_ptr()
+    }
+
+    /// The verbs context of the device the id is bound to.
+    pub(crate) fn verbs(&self) -> Result<NonNull<ffi::ibv_context>> {
+        // SAFETY: `raw` points to the live cm_id this value shares.
+        NonNull::new(unsafe { self.inner.raw.as_ref().verbs }).ok_or(Error::NoDevice)
+    }
+
+    /// The name of the RDMA device the id is bound to (after bind or
+    /// resolve), e.g. `rxe0`.
+    pub fn device_name(&self) -> Result<String> {
+        let verbs = self.verbs()?;
+        // SAFETY: a bound id's `verbs` is a live context whose `device` is
+        // valid while the context is; ibv_get_device_name returns a NUL-
+        // terminated string owned by the device.
+        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(verbs.as_ref().device)) };
+        Ok(name.to_string_lossy().into_owned())
+    }
+
+    /// Binds to a local address (`rdma_bind_addr`); port 0 picks one.
+    pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let mut sin = sockaddr_in(addr)?;
+        // SAFETY: the id is live; `sin` is a valid sockaddr_in, which
+        // librdmacm reads (and copies) during the call.
+        let ret = unsafe { ffi::rdma_bind_addr(self.as_ptr(), ptr::addr_of_mut!(sin).cast()) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(Error::BindAddr {
+                addr,
+                source: last_os_error(),
+            })
+        }
+    }
+
+    /// Starts listening for connect requests (`rdma_listen`).
+    pub fn listen(&self, backlog: i32) -> Result<()> {
+        // SAFETY: the id is live and bound.
+        if unsafe { ffi::rdma_listen(self.as_ptr(), backlog) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Listen(last_os_error()))
+        }
+    }
+
+    /// Waits for the next connect request on this listener.
+    pub fn get_request(&self, timeout: Duration) -> Result<ConnectRequest> {
+        let e = self
+            .inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_CONNECT_REQUEST, timeout)?;
+        Ok(ConnectRequest {
+            id: Self::adopt(e.id, &self.inner.channel)?,
+            private_data: e.private_data,
+        })
+    }
+
+    /// Resolves `addr` to a device and a route (`rdma_resolve_addr`, then
+    /// `rdma_resolve_route`), waiting for each.
+    pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+        let mut sin = sockaddr_in(addr)?;
+        let ms = i32::try_from(timeout.as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
+        // SAFETY: the id is live; `sin` is a valid sockaddr_in read during
+        // the call; a NULL source lets librdmacm pick one.
+        let ret = unsafe {
+            ffi::rdma_resolve_addr(
+                self.as_ptr(),
+                ptr::null_mut(),
+                ptr::addr_of_mut!(sin).cast(),
+                ms,
+            )
+        };
+        if ret != 0 {
+            return Err(Error::ResolveAddr {
+                addr,
+                source: last_os_error(),
+            });
+        }
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
+        // SAFETY: the id is live and its address is resolved.
+        if unsafe { ffi::rdma_resolve_route(self.as_ptr(), ms) } != 0 {
+            return Err(Error::ResolveRoute(last_os_error()));
+        }
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
+        Ok(())
+    }
+
+    /// Connects (`rdma_connect`) and waits until the connection is
+    /// established; returns the server's private data (may be zero-padded).
+    /// Create the id's [`QueuePair`](super::QueuePair) first.
+    pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        let mut param = conn_param(private_data)?;
+        // SAFETY: the id is live with a resolved route; `param` and the
+        // private data it points to outlive the call, which copies them.
+        if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } != 0 {
+            return Err(Error::Connect(last_os_error()));
+        }
+        let e = self
+            .inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ESTABLISHED, timeout)?;
+        Ok(e.private_data)
+    }
+
+    /// Accepts this connect request (`rdma_accept`) and waits until the
+    /// connection is established. Create the id's
+    /// [`QueuePair`](super::QueuePair) (and post receives) first.
+    pub fn accept(&self, private_data: &[u8], timeout: Duration) -> Result<()> {
+        let mut param = conn_param(private_data)?;
+        // SAFETY: the id is live (from a connect request); `param` and its
+        // private data outlive the call, which copies them.
+        if unsafe { ffi::rdma_accept(self.as_ptr(), &mut param) } != 0 {
+            return Err(Error::Accept(last_os_error()));
+        }
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ESTABLISHED, timeout)?;
+        Ok(())
+    }
+
+    /// Starts tearing the connection down (`rdma_disconnect`).
+    pub fn disconnect(&self) -> Result<()> {
+        // SAFETY: the id is live.
+        if unsafe { ffi::rdma_disconnect(self.as_ptr()) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Disconnect(last_os_error()))
+        }
+    }
+
+    /// Waits for the peer's (or our own) disconnect to be reported.
+    pub fn wait_disconnected(&self, timeout: Duration) -> Result<()> {
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_DISCONNECTED, timeout)
+            .map(drop)
+    }
+}
+
+fn conn_param(private_data: &[u8]) -> Result<ffi::rdma_conn_param> {
+    let len = u8::try_from(private_data.len())
+        .map_err(|_| Error::PrivateDataTooLong(private_data.len()))?;
+    Ok(ffi::rdma_conn_param {
+        private_data: if private_data.is_empty() {
+            ptr::null()
+        } else {
+            private_data.as_ptr().cast()
+        },
+        private_data_len: len,
+        responder_resources: 1,
+        initiator_depth: 1,
+        flow_control: 0,
+        retry_count: 7,
+        rnr_retry_count: 7,
+        srq: 0,
+        qp_num: 0,
+    })
+}
+
+fn sockaddr_in(addr: SocketAddr) -> Result<libc::sockaddr_in> {
+    let SocketAddr::V4(v4): SocketAddr = addr else {
+        return Err(Error::NotIpv4(addr));
+    };
+    Ok(sockaddr_in_v4(v4))
+}
+
+fn sockaddr_in_v4(addr: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn event_str(kind: event::Type) -> String {
+    // SAFETY: rdma_event_str returns a static NUL-terminated string for any
+    // value (a generic one for unknown values).
+    unsafe { CStr::from_ptr(ffi::rdma_event_str(kind)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn event_name(kind: event::Type) -> &'static str {
+    match kind {
+        event::RDMA_CM_EVENT_ADDR_RESOLVED => "RDMA_CM_EVENT_ADDR_RESOLVED",
+        event::RDMA_CM_EVENT_ROUTE_RESOLVED => "RDMA_CM_EVENT_ROUTE_RESOLVED",
+        event::RDMA_CM_EVENT_CONNECT_REQUEST => "RDMA_CM_EVENT_CONNECT_REQUEST",
+        event::RDMA_CM_EVENT_ESTABLISHED => "RDMA_CM_EVENT_ESTABLISHED",
+        event::RDMA_CM_EVENT_DISCONNECTED => "RDMA_CM_EVENT_DISCONNECTED",
+        _ => "another connection manager event",
+    }
+}

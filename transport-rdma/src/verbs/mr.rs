@@ -1,0 +1,230 @@
+//! Registered memory.
+
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::rc::Rc;
+
+use rdma_sys as ffi;
+
+use super::pd::PdInner;
+use super::{last_os_error, Error, ProtectionDomain, Result};
+
+/// Access rights of a [`MemoryRegion`] (`ibv_access_flags`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Access(u32);
+
+impl Access {
+    /// The local device may write (needed to receive into it).
+    pub const LOCAL_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0);
+    /// The peer may RDMA WRITE into it (needs `LOCAL_WRITE` too).
+    pub const REMOTE_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0);
+    /// The peer may RDMA READ from it.
+    pub const REMOTE_READ: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+/// What a peer needs to RDMA into (or out of) a region: its address, key
+/// and length. Send it over the connection (e.g. as private data).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// The region's address in the peer's address space.
+    pub addr: u64,
+    /// Its remote key.
+    pub rkey: u32,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+impl RemoteRegion {
+    /// Encoded length of [`to_bytes`](Self::to_bytes).
+    pub const ENCODED_LEN: usize = 20;
+
+    /// Little-endian `addr, rkey, len`.
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0; Self::ENCODED_LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.rkey.to_le_bytes());
+        b[12..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes) (extra bytes, e.g. the
+    /// connection manager's zero padding, are ignored).
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        let b = b.get(..Self::ENCODED_LEN)?;
+        Some(Self {
+            addr: u64::from_le_bytes(b[..8].try_into().ok()?),
+            rkey: u32::from_le_bytes(b[8..12].try_into().ok()?),
+            len: u64::from_le_bytes(b[12..].try_into().ok()?),
+        })
+    }
+
+    /// Checks that `offset..offset + len` lies inside the region.
+    pub(crate) fn check(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                start: offset,
+                end: offset.saturating_add(len),
+                len: self.len,
+            }),
+        }
+    }
+}
+
+/// A zeroed buffer of its own, registered with a protection domain
+/// (`ibv_reg_mr`).
+///
+/// The device reads and writes the buffer behind the program's back, so
+/// the buffer is never handed out as a Rust slice: data goes in and out by
+/// copying ([`write_at`](Self::write_at), [`read_at`](Self::read_at)) at
+/// moments the protocol makes safe (after the completion of the operation
+/// that filled it, before posting the one that reads it).
+pub struct MemoryRegion {
+    raw: NonNull<ffi::ibv_mr>,
+    buf: NonNull<u8>,
+    len: usize,
+    pub(crate) pd: Rc<PdInner>,
+}
+
+impl MemoryRegion {
+    /// Allocates `len` zeroed bytes and registers them on `pd`.
+    pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
+        let boxed: Box<[u8]> = vec![0u8; len.max(1)].into_boxed_slice();
+        let len = boxed.len();
+        let buf = NonNull::new(Box::into_raw(boxed).cast::<u8>()).expect("a Box is never null");
+        let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
+        // SAFETY: the PD is live; `buf..buf+len` is memory this value owns
+        // and frees only after deregistering it (Drop).
+        let raw =
+            unsafe { ffi::ibv_reg_mr(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, access) };
+        match NonNull::new(raw) {
+            Some(raw) => Ok(Self {
+                raw,
+                buf,
+                len,
+                pd: Rc::clone(&pd.inner),
+            }),
+            None => {
+                let source = last_os_error();
+                // SAFETY: `buf` came from Box::into_raw of a `[u8]` of
+                // `len` bytes and was not registered.
+                drop(unsafe {
+                    Box::from_raw(std::ptr::slice_from_raw_parts_mut(buf.as_ptr(), len))
+                });
+                Err(Error::RegMr { len, source })
+            }
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length region (never: [`new`](Self::new) rounds up
+    /// to one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The local key, for scatter/gather entries.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: `raw` is the live MR this value owns.
+        unsafe { self.raw.as_ref().lkey }
+    }
+
+    /// What a peer needs to access the region remotely.
+    pub fn remote(&self) -> RemoteRegion {
+        // SAFETY: `raw` is the live MR this value owns.
+        let rkey = unsafe { self.raw.as_ref().rkey };
+        RemoteRegion {
+            addr: self.buf.as_ptr() as u64,
+            rkey,
+            len: self.len as u64,
+        }
+    }
+
+    /// Checks `range` and returns its address and length for an SGE.
+    pub(crate) fn sge(&self, range: Range<usize>) -> Result<ffi::ibv_sge> {
+        self.check(&range)?;
+        let length = u32::try_from(range.len()).map_err(|_| Error::OutOfBounds {
+            start: range.start as u64,
+            end: range.end as u64,
+            len: u32::MAX.into(),
+        })?;
+        Ok(ffi::ibv_sge {
+            addr: self.buf.as_ptr() as u64 + range.start as u64,
+            length,
+            lkey: self.lkey(),
+        })
+    }
+
+    fn check(&self, range: &Range<usize>) -> Result<()> {
+        if range.start <= range.end && range.end <= self.len {
+            Ok(())
+        } else {
+            Err(Error::OutOfBounds {
+                start: range.start as u64,
+                end: range.end as u64,
+                len: self.len as u64,
+            })
+        }
+    }
+
+    /// Copies `data` into the region at `offset`. Panics if it does not fit.
+    /// Do not call while a posted receive or a remote write may target
+    /// these bytes, or a posted send may still read them.
+    pub fn write_at(&self, offset: usize, data: &[u8]) {
+        let range = offset
+            ..offset
+                .checked_add(data.len())
+                .expect("offset + len overflows");
+        self.check(&range)
+            .expect("write_at: range outside the memory region");
+        // SAFETY: the range is inside the buffer this value owns; `data`
+        // is a distinct Rust slice, so they do not overlap. No Rust
+        // reference into the buffer exists (it is only accessed by copies).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.as_ptr().add(offset), data.len())
+        };
+    }
+
+    /// Copies `len` bytes out of the region at `offset`. Panics if the
+    /// range is outside the region.
+    pub fn read_at(&self, offset: usize, len: usize) -> Vec<u8> {
+        let range = offset..offset.checked_add(len).expect("offset + len overflows");
+        self.check(&range)
+            .expect("read_at: range outside the memory region");
+        let mut out = vec![0; len];
+        // SAFETY: the range is inside the buffer this value owns; `out` is
+        // a fresh allocation of `len` bytes, so they do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.buf.as_ptr().add(offset), out.as_mut_ptr(), len)
+        };
+        out
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is the live MR this value owns, deregistered once.
+        // Posting from it is `unsafe` and requires the MR to outlive the
+        // operation, so the device no longer uses the buffer.
+        unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
+        // SAFETY: `buf` came from Box::into_raw of a `[u8]` of `len` bytes
+        // and is no longer registered.
+        drop(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.buf.as_ptr(),
+                self.len,
+            ))
+        });
+    }
+}

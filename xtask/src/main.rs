@@ -1,0 +1,91 @@
+//! `cargo xtask`: the project's developer and CI tasks.
+//!
+//! - `cargo xtask demo`: the main job, a real RPC server and client.
+//! - `cargo xtask test`: every test in the workspace.
+//! - `cargo xtask rxe -- COMMAND`: run COMMAND against Soft-RoCE in a VM.
+//! - `cargo xtask rxe-baseline`: perftest numbers on that device.
+
+mod rxe;
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline>
+
+  demo          run the greeter server and client (the main job)
+  test          run every test (installs what it needs first; RDMA tests
+                run in a Soft-RoCE VM)
+  rxe           run a command next to a Soft-RoCE device in a VM
+  rxe-baseline  perftest numbers on that device
+
+details of rxe and rxe-baseline:";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("demo") => demo(),
+        Some("test") => test(),
+        Some("rxe") => return rxe::rxe_main(&args[1..]),
+        Some("rxe-baseline") => return rxe::baseline_main(&args[1..]),
+        Some("-h" | "--help") => {
+            println!("{USAGE}\n{}", rxe::RXE_USAGE);
+            Ok(())
+        }
+        _ => Err(USAGE.to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Debian packages every build of the workspace needs.
+const BUILD_PACKAGES: &[&str] = &["build-essential", "pkg-config"];
+
+fn demo() -> Result<(), String> {
+    setup::ensure_debian_packages(BUILD_PACKAGES)?;
+    setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
+    cargo(&["build", "--release", "-p", "examples", "--bins"])?;
+    Err("demo: not wired yet".into())
+}
+
+fn test() -> Result<(), String> {
+    setup::ensure_debian_packages(BUILD_PACKAGES)?;
+    setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
+    cargo(&["test", "--workspace", "--all-targets"])?;
+    cargo(&["test", "--workspace", "--doc"])?;
+    rxe::run_rdma_tests()?;
+    Ok(())
+}
+
+/// Runs `cargo ARGS` in the workspace root and fails if it fails.
+fn cargo(args: &[&str]) -> Result<(), String> {
+    run(Command::new(env_cargo()).args(args).current_dir(workspace_root()))
+}
+
+fn run(command: &mut Command) -> Result<(), String> {
+    let status = command
+        .status()
+        .map_err(|e| format!("could not start {command:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{command:?} failed with {status}"))
+    }
+}
+
+fn env_cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// The workspace root (the parent of this crate's manifest directory).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
