@@ -18,11 +18,16 @@ use tracing::Instrument;
 
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
-use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame, HEAD_LEN, MAX_HEADER_LEN};
+use crate::frame::{
+    peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame, HEAD_LEN,
+    MAX_HEADER_LEN,
+};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
-use crate::transport::{self, Connection, FrameLimits, FrameSink, FrameSource, Transport, TransportError};
+use crate::transport::{
+    self, Connection, FrameLimits, FrameSink, FrameSource, Transport, TransportError,
+};
 
 /// Default largest message, either way: parameter-server tensors are large.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
@@ -37,7 +42,9 @@ pub(crate) const INITIAL_STREAM_WINDOW: u32 = 64 * 1024;
 pub const DEFAULT_STREAM_WINDOW: u32 = 8 * 1024 * 1024;
 
 pub(crate) fn frame_limits(max_message_size: usize) -> FrameLimits {
-    FrameLimits { max_frame_len: max_message_size.saturating_add(HEAD_LEN + MAX_HEADER_LEN) }
+    FrameLimits {
+        max_frame_len: max_message_size.saturating_add(HEAD_LEN + MAX_HEADER_LEN),
+    }
 }
 
 /// An address that cannot be used.
@@ -59,7 +66,8 @@ pub enum AddressError {
 
 /// Finds the transport for `address` and splits off its authority.
 pub(crate) fn resolve(address: &str) -> Result<(Arc<dyn Transport>, String), AddressError> {
-    let (scheme, authority) = transport::split_address(address).ok_or_else(|| AddressError::Invalid(address.into()))?;
+    let (scheme, authority) =
+        transport::split_address(address).ok_or_else(|| AddressError::Invalid(address.into()))?;
     let transport = transport::lookup(scheme).ok_or_else(|| AddressError::UnknownScheme {
         scheme: scheme.into(),
         installed: transport::registered_schemes().join(", "),
@@ -125,7 +133,10 @@ pub struct Endpoint {
 
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Endpoint").field("address", &self.address).field("config", &self.config).finish()
+        f.debug_struct("Endpoint")
+            .field("address", &self.address)
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -190,7 +201,11 @@ impl Endpoint {
     pub async fn connect(self) -> Result<Channel, ConnectError> {
         let channel = self.connect_lazy();
         let conn = channel.dial().await?;
-        *channel.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = ConnState::Ready(conn);
+        *channel
+            .shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = ConnState::Ready(conn);
         Ok(channel)
     }
 
@@ -225,7 +240,11 @@ struct ChannelShared {
 enum ConnState {
     Idle,
     Ready(Arc<ClientConn>),
-    Backoff { retry_at: Instant, delay: Duration, error: String },
+    Backoff {
+        retry_at: Instant,
+        delay: Duration,
+        error: String,
+    },
 }
 
 impl Drop for ChannelShared {
@@ -238,7 +257,9 @@ impl Drop for ChannelShared {
 
 impl fmt::Debug for Channel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Channel").field("address", &self.shared.endpoint.address).finish()
+        f.debug_struct("Channel")
+            .field("address", &self.shared.endpoint.address)
+            .finish()
     }
 }
 
@@ -262,8 +283,14 @@ impl Channel {
         let limits = frame_limits(endpoint.config.max_message_size);
         let connecting = endpoint.transport.connect(&endpoint.authority, limits);
         match tokio::time::timeout(endpoint.config.connect_timeout, connecting).await {
-            Ok(Ok(connection)) => Ok(ClientConn::start(connection, endpoint.config.max_message_size)),
-            Ok(Err(source)) => Err(ConnectError::Transport { address: endpoint.address.clone(), source }),
+            Ok(Ok(connection)) => Ok(ClientConn::start(
+                connection,
+                endpoint.config.max_message_size,
+            )),
+            Ok(Err(source)) => Err(ConnectError::Transport {
+                address: endpoint.address.clone(),
+                source,
+            }),
             Err(_) => Err(ConnectError::Timeout {
                 address: endpoint.address.clone(),
                 timeout: endpoint.config.connect_timeout,
@@ -290,7 +317,11 @@ impl Channel {
         let previous_delay = {
             let state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
             match &*state {
-                ConnState::Backoff { retry_at, delay, error } => {
+                ConnState::Backoff {
+                    retry_at,
+                    delay,
+                    error,
+                } => {
                     let now = Instant::now();
                     if now < *retry_at {
                         return Err(Status::unavailable(format!(
@@ -306,15 +337,20 @@ impl Channel {
         };
         match self.dial().await {
             Ok(conn) => {
-                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = ConnState::Ready(Arc::clone(&conn));
+                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) =
+                    ConnState::Ready(Arc::clone(&conn));
                 Ok(conn)
             }
             Err(error) => {
                 let config = self.config();
-                let delay = previous_delay.map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
+                let delay = previous_delay
+                    .map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
                 let message = error.to_string();
-                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) =
-                    ConnState::Backoff { retry_at: Instant::now() + delay, delay, error: message.clone() };
+                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = ConnState::Backoff {
+                    retry_at: Instant::now() + delay,
+                    delay,
+                    error: message.clone(),
+                };
                 Err(Status::unavailable(message))
             }
         }
@@ -358,7 +394,11 @@ impl ClientConn {
             sink: connection.sink,
             peer: connection.peer,
             max_message_size,
-            calls: Mutex::new(CallTable { slots: Slab::new(), generation: 0, phase: Phase::Open }),
+            calls: Mutex::new(CallTable {
+                slots: Slab::new(),
+                generation: 0,
+                phase: Phase::Open,
+            }),
         });
         tokio::spawn(Arc::clone(&conn).read_loop(connection.source));
         conn
@@ -372,17 +412,29 @@ impl ClientConn {
         matches!(self.table().phase, Phase::Open)
     }
 
-    fn open_call(&self, window: Option<Arc<SendWindow>>) -> Result<(u64, mpsc::UnboundedReceiver<Inbound>), Status> {
+    fn open_call(
+        &self,
+        window: Option<Arc<SendWindow>>,
+    ) -> Result<(u64, mpsc::UnboundedReceiver<Inbound>), Status> {
         let mut table = self.table();
         match &table.phase {
             Phase::Open => {}
-            Phase::Draining => return Err(Status::unavailable(format!("{} is shutting down", self.peer))),
+            Phase::Draining => {
+                return Err(Status::unavailable(format!(
+                    "{} is shutting down",
+                    self.peer
+                )))
+            }
             Phase::Closed(status) => return Err(status.clone()),
         }
         table.generation = table.generation.wrapping_add(1);
         let generation = table.generation;
         let (tx, rx) = mpsc::unbounded_channel();
-        let key = table.slots.insert(CallSlot { generation, tx, window });
+        let key = table.slots.insert(CallSlot {
+            generation,
+            tx,
+            window,
+        });
         Ok(((generation as u64) << 32 | key as u64, rx))
     }
 
@@ -423,7 +475,10 @@ impl ClientConn {
             // No room right now: send it from a task rather than lose it.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let sink = Arc::clone(&self.sink);
-                runtime.spawn(async move { sink.send(&OutFrame::control(id, OutBody::Cancel, false)).await });
+                runtime.spawn(async move {
+                    sink.send(&OutFrame::control(id, OutBody::Cancel, false))
+                        .await
+                });
             }
         }
     }
@@ -449,18 +504,48 @@ impl ClientConn {
                 Ok(Some(bytes)) => match Frame::decode(bytes) {
                     Ok(frame) => {
                         if let Err(violation) = self.dispatch(frame) {
-                            break Status::internal(format!("{} broke the protocol: {violation}", self.peer));
+                            break Status::internal(format!(
+                                "{} broke the protocol: {violation}",
+                                self.peer
+                            ));
                         }
                     }
-                    Err(error) => break Status::internal(format!("{} sent a malformed frame: {error}", self.peer)),
+                    Err(error) => {
+                        break Status::internal(format!(
+                            "{} sent a malformed frame: {error}",
+                            self.peer
+                        ))
+                    }
                 },
-                Ok(None) => break Status::unavailable(format!("connection to {} closed by the server", self.peer)),
+                Ok(None) => {
+                    break Status::unavailable(format!(
+                        "connection to {} closed by the server",
+                        self.peer
+                    ))
+                }
                 Err(TransportError::Oversized { len, prefix, .. }) => match peek_head(&prefix) {
-                    Ok((id, FrameKind::Message | FrameKind::Status)) => self.refuse_oversized(id, len),
-                    Ok((_, kind)) => break Status::internal(format!("{} sent a {kind:?} frame of {len} bytes", self.peer)),
-                    Err(error) => break Status::internal(format!("{} sent a malformed frame: {error}", self.peer)),
+                    Ok((id, FrameKind::Message | FrameKind::Status)) => {
+                        self.refuse_oversized(id, len)
+                    }
+                    Ok((_, kind)) => {
+                        break Status::internal(format!(
+                            "{} sent a {kind:?} frame of {len} bytes",
+                            self.peer
+                        ))
+                    }
+                    Err(error) => {
+                        break Status::internal(format!(
+                            "{} sent a malformed frame: {error}",
+                            self.peer
+                        ))
+                    }
                 },
-                Err(error) => break Status::unavailable(format!("connection to {} failed: {error}", self.peer)),
+                Err(error) => {
+                    break Status::unavailable(format!(
+                        "connection to {} failed: {error}",
+                        self.peer
+                    ))
+                }
             }
         };
         if reason.code() == crate::Code::Internal {
@@ -480,7 +565,12 @@ impl ClientConn {
                     self.deliver(id, payload);
                 }
             }
-            FrameBody::Status(_) if frame.payload.as_ref().is_some_and(|p| p.len() > self.max_message_size) => {
+            FrameBody::Status(_)
+                if frame
+                    .payload
+                    .as_ref()
+                    .is_some_and(|p| p.len() > self.max_message_size) =>
+            {
                 self.refuse_oversized(id, frame.payload.map_or(0, |p| p.len()));
             }
             FrameBody::Status(status) => {
@@ -496,7 +586,12 @@ impl ClientConn {
             }
             FrameBody::WindowUpdate(bytes) => {
                 let (key, generation) = split_id(id);
-                if let Some(slot) = self.table().slots.get(key).filter(|s| s.generation == generation) {
+                if let Some(slot) = self
+                    .table()
+                    .slots
+                    .get(key)
+                    .filter(|s| s.generation == generation)
+                {
                     if let Some(window) = &slot.window {
                         window.grant(bytes);
                     }
@@ -508,9 +603,14 @@ impl ClientConn {
                     table.phase = Phase::Draining;
                 }
             }
-            FrameBody::GoAway(status) => return Err(format!("server closed the connection: {status}")),
+            FrameBody::GoAway(status) => {
+                return Err(format!("server closed the connection: {status}"))
+            }
             FrameBody::Request { .. } | FrameBody::Cancel => {
-                return Err(format!("a server does not send {:?} frames", frame.body.kind()));
+                return Err(format!(
+                    "a server does not send {:?} frames",
+                    frame.body.kind()
+                ));
             }
         }
         Ok(())
@@ -530,7 +630,12 @@ impl ClientConn {
             return self.refuse_oversized(id, payload.len());
         }
         let (key, generation) = split_id(id);
-        if let Some(slot) = self.table().slots.get(key).filter(|s| s.generation == generation) {
+        if let Some(slot) = self
+            .table()
+            .slots
+            .get(key)
+            .filter(|s| s.generation == generation)
+        {
             let _ = slot.tx.send(Inbound::Message(payload));
         }
     }
@@ -573,7 +678,9 @@ impl Client {
     }
 
     fn deadline(&self, timeout: Option<Duration>) -> Option<Instant> {
-        timeout.or(self.channel.config().timeout).map(|t| Instant::now() + t)
+        timeout
+            .or(self.channel.config().timeout)
+            .map(|t| Instant::now() + t)
     }
 
     /// Opens a call: registers it and sends its `Request` frame.
@@ -584,14 +691,35 @@ impl Client {
         deadline: Option<Instant>,
         first: Option<&dyn EncodePayload>,
         sends_stream: bool,
-    ) -> Result<(ActiveCall, mpsc::UnboundedReceiver<Inbound>, Option<Arc<SendWindow>>), Status> {
+    ) -> Result<
+        (
+            ActiveCall,
+            mpsc::UnboundedReceiver<Inbound>,
+            Option<Arc<SendWindow>>,
+        ),
+        Status,
+    > {
         let conn = self.channel.connection().await?;
         let window = sends_stream.then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
         let (id, rx) = conn.open_call(window.clone())?;
-        let call = ActiveCall { conn, id, sender: None, _channel: self.channel.clone() };
+        let call = ActiveCall {
+            conn,
+            id,
+            sender: None,
+            _channel: self.channel.clone(),
+        };
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let frame = OutFrame::new(id, OutBody::Request { method: path, timeout, metadata }, first, !sends_stream)
-            .map_err(|e| Status::invalid_argument(format!("request headers: {e}")))?;
+        let frame = OutFrame::new(
+            id,
+            OutBody::Request {
+                method: path,
+                timeout,
+                metadata,
+            },
+            first,
+            !sends_stream,
+        )
+        .map_err(|e| Status::invalid_argument(format!("request headers: {e}")))?;
         call.conn
             .sink
             .send(&frame)
@@ -623,15 +751,23 @@ impl Client {
     }
 
     /// A unary call: one request, one response.
-    pub async fn unary<C: Codec>(&self, path: &str, request: Request<C::Encode>) -> Result<Response<C::Decode>, Status> {
+    pub async fn unary<C: Codec>(
+        &self,
+        path: &str,
+        request: Request<C::Encode>,
+    ) -> Result<Response<C::Decode>, Status> {
         let (message, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
-            let (_call, mut rx, _) = self.open(path, &metadata, deadline, Some(&payload), false).await?;
+            let (_call, mut rx, _) = self
+                .open(path, &metadata, deadline, Some(&payload), false)
+                .await?;
             receive_one::<C>(&mut rx).await
         };
-        with_deadline(deadline, call).instrument(tracing::debug_span!("rpc.client", method = path)).await
+        with_deadline(deadline, call)
+            .instrument(tracing::debug_span!("rpc.client", method = path))
+            .await
     }
 
     /// A server-streaming call: one request, a stream of responses.
@@ -644,14 +780,27 @@ impl Client {
         let deadline = self.deadline(timeout);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
-            let (call, rx, _) = self.open(path, &metadata, deadline, Some(&payload), false).await?;
-            Ok(Response::new(self.streaming_response(call, rx, deadline, C::decode)))
+            let (call, rx, _) = self
+                .open(path, &metadata, deadline, Some(&payload), false)
+                .await?;
+            Ok(Response::new(self.streaming_response(
+                call,
+                rx,
+                deadline,
+                C::decode,
+            )))
         };
-        with_deadline(deadline, call).instrument(tracing::debug_span!("rpc.client", method = path)).await
+        with_deadline(deadline, call)
+            .instrument(tracing::debug_span!("rpc.client", method = path))
+            .await
     }
 
     /// A client-streaming call: a stream of requests, one response.
-    pub async fn client_streaming<C, S>(&self, path: &str, request: Request<S>) -> Result<Response<C::Decode>, Status>
+    pub async fn client_streaming<C, S>(
+        &self,
+        path: &str,
+        request: Request<S>,
+    ) -> Result<Response<C::Decode>, Status>
     where
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
@@ -659,15 +808,22 @@ impl Client {
         let (stream, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
-            let (mut call, mut rx, window) = self.open(path, &metadata, deadline, None, true).await?;
+            let (mut call, mut rx, window) =
+                self.open(path, &metadata, deadline, None, true).await?;
             call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
             receive_one::<C>(&mut rx).await
         };
-        with_deadline(deadline, call).instrument(tracing::debug_span!("rpc.client", method = path)).await
+        with_deadline(deadline, call)
+            .instrument(tracing::debug_span!("rpc.client", method = path))
+            .await
     }
 
     /// A bidirectional-streaming call: a stream each way.
-    pub async fn streaming<C, S>(&self, path: &str, request: Request<S>) -> Result<Response<Streaming<C::Decode>>, Status>
+    pub async fn streaming<C, S>(
+        &self,
+        path: &str,
+        request: Request<S>,
+    ) -> Result<Response<Streaming<C::Decode>>, Status>
     where
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
@@ -677,13 +833,25 @@ impl Client {
         let call = async {
             let (mut call, rx, window) = self.open(path, &metadata, deadline, None, true).await?;
             call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
-            Ok(Response::new(self.streaming_response(call, rx, deadline, C::decode)))
+            Ok(Response::new(self.streaming_response(
+                call,
+                rx,
+                deadline,
+                C::decode,
+            )))
         };
-        with_deadline(deadline, call).instrument(tracing::debug_span!("rpc.client", method = path)).await
+        with_deadline(deadline, call)
+            .instrument(tracing::debug_span!("rpc.client", method = path))
+            .await
     }
 
     /// Sends the request stream's messages as the server's window allows, then the end of stream.
-    fn spawn_sender<C, S>(&self, call: &ActiveCall, window: Option<Arc<SendWindow>>, stream: S) -> AbortHandle
+    fn spawn_sender<C, S>(
+        &self,
+        call: &ActiveCall,
+        window: Option<Arc<SendWindow>>,
+        stream: S,
+    ) -> AbortHandle
     where
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
@@ -707,27 +875,43 @@ impl Client {
                     return; // the reader reports the broken connection
                 }
             }
-            let _ = conn.sink.send(&OutFrame::control(id, OutBody::Message, true)).await;
+            let _ = conn
+                .sink
+                .send(&OutFrame::control(id, OutBody::Message, true))
+                .await;
         };
         tokio::spawn(task.in_current_span()).abort_handle()
     }
 }
 
 /// Receives a unary response: one message, then an OK status.
-async fn receive_one<C: Codec>(rx: &mut mpsc::UnboundedReceiver<Inbound>) -> Result<Response<C::Decode>, Status> {
+async fn receive_one<C: Codec>(
+    rx: &mut mpsc::UnboundedReceiver<Inbound>,
+) -> Result<Response<C::Decode>, Status> {
     let mut message = None;
     loop {
         match rx.recv().await {
             Some(Inbound::Message(bytes)) if message.is_none() => message = Some(bytes),
-            Some(Inbound::Message(_)) => return Err(Status::internal("server sent more than one message on a unary response")),
+            Some(Inbound::Message(_)) => {
+                return Err(Status::internal(
+                    "server sent more than one message on a unary response",
+                ))
+            }
             Some(Inbound::Status(status)) if status.is_ok() => {
                 let Some(bytes) = message else {
-                    return Err(Status::internal("server ended the call without a response message"));
+                    return Err(Status::internal(
+                        "server ended the call without a response message",
+                    ));
                 };
-                return Ok(Response::from_parts(C::decode(bytes)?, status.metadata().clone()));
+                return Ok(Response::from_parts(
+                    C::decode(bytes)?,
+                    status.metadata().clone(),
+                ));
             }
             Some(Inbound::Status(status)) => return Err(status),
-            Some(Inbound::End) | None => return Err(Status::internal("call ended without a status")),
+            Some(Inbound::End) | None => {
+                return Err(Status::internal("call ended without a status"))
+            }
         }
     }
 }
@@ -740,6 +924,10 @@ async fn with_deadline<T>(
         None => call.await,
         Some(deadline) => tokio::time::timeout_at(deadline, call)
             .await
-            .unwrap_or_else(|_| Err(Status::deadline_exceeded("deadline exceeded before the server answered"))),
+            .unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(
+                    "deadline exceeded before the server answered",
+                ))
+            }),
     }
 }

@@ -45,7 +45,12 @@ where
     }
 
     fn decode(buf: Bytes) -> Result<D, Status> {
-        D::decode(buf).map_err(|e| Status::internal(format!("failed to decode {}: {e}", std::any::type_name::<D>())))
+        D::decode(buf).map_err(|e| {
+            Status::internal(format!(
+                "failed to decode {}: {e}",
+                std::any::type_name::<D>()
+            ))
+        })
     }
 }
 

@@ -13,6 +13,8 @@ pub use prost_types;
 pub use crate::client::{Channel, Client, ConnectError};
 pub use crate::codec::ProstCodec;
 pub use crate::message::{IntoRequest, IntoStreamingRequest, Request, Response, Streaming};
-pub use crate::server::{client_streaming, server_streaming, streaming, unary, unimplemented, ServerCall, Service};
+pub use crate::server::{
+    client_streaming, server_streaming, streaming, unary, unimplemented, ServerCall, Service,
+};
 pub use crate::status::Status;
 pub use crate::transport::BoxFuture;

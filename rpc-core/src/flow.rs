@@ -24,7 +24,11 @@ pub(crate) struct WindowClosed;
 
 impl SendWindow {
     pub(crate) fn new(initial: u32) -> SendWindow {
-        SendWindow { available: AtomicI64::new(initial.into()), closed: AtomicBool::new(false), changed: Notify::new() }
+        SendWindow {
+            available: AtomicI64::new(initial.into()),
+            closed: AtomicBool::new(false),
+            changed: Notify::new(),
+        }
     }
 
     /// Waits until the window is positive, then takes `len` bytes of it.
@@ -34,7 +38,8 @@ impl SendWindow {
                 return Err(WindowClosed);
             }
             if self.available.load(Ordering::Acquire) > 0 {
-                self.available.fetch_sub(len.min(i64::MAX as usize) as i64, Ordering::AcqRel);
+                self.available
+                    .fetch_sub(len.min(i64::MAX as usize) as i64, Ordering::AcqRel);
                 return Ok(());
             }
             // `notify_one` stores a permit, so a grant between the check and here is not lost.

@@ -236,7 +236,11 @@ impl Frame {
                 let micros = get_u64(&mut fields, "timeout")?;
                 let timeout = (flags & HAS_TIMEOUT != 0).then(|| Duration::from_micros(micros));
                 let metadata = get_metadata(&mut fields)?;
-                FrameBody::Request { method, timeout, metadata }
+                FrameBody::Request {
+                    method,
+                    timeout,
+                    metadata,
+                }
             }
             FrameKind::Message => {
                 unexpected(END_STREAM | HAS_PAYLOAD)?;
@@ -260,13 +264,21 @@ impl Frame {
             FrameKind::GoAway => {
                 unexpected(0)?;
                 let code = Code::from_u32(get_u32(&mut fields, "go-away code")?);
-                FrameBody::GoAway(Status::new(code, get_string(&mut fields, 4, "go-away message")?))
+                FrameBody::GoAway(Status::new(
+                    code,
+                    get_string(&mut fields, 4, "go-away message")?,
+                ))
             }
         };
         if !fields.is_empty() {
             return Err(FrameError::TrailingBytes(fields.len()));
         }
-        Ok(Frame { call_id, end_stream, payload, body })
+        Ok(Frame {
+            call_id,
+            end_stream,
+            payload,
+            body,
+        })
     }
 }
 
@@ -303,7 +315,11 @@ fn get_bytes(buf: &mut Bytes, prefix: usize, what: &'static str) -> Result<Bytes
     if buf.remaining() < prefix {
         return Err(FrameError::Truncated(what));
     }
-    let len = if prefix == 2 { buf.get_u16_le() as usize } else { buf.get_u32_le() as usize };
+    let len = if prefix == 2 {
+        buf.get_u16_le() as usize
+    } else {
+        buf.get_u32_le() as usize
+    };
     if buf.remaining() < len {
         return Err(FrameError::Truncated(what));
     }
@@ -403,7 +419,14 @@ impl<'a> OutFrame<'a> {
             }
         }
         let payload_len = payload.map_or(0, |p| p.payload_len());
-        Ok(OutFrame { call_id, end_stream, body, payload, header_len, payload_len })
+        Ok(OutFrame {
+            call_id,
+            end_stream,
+            body,
+            payload,
+            header_len,
+            payload_len,
+        })
     }
 
     /// A frame with no payload and no metadata (cancel, window update, end of stream).
@@ -452,7 +475,10 @@ impl<'a> OutFrame<'a> {
         if self.payload.is_some() {
             flags |= HAS_PAYLOAD;
         }
-        if let OutBody::Request { timeout: Some(_), .. } = self.body {
+        if let OutBody::Request {
+            timeout: Some(_), ..
+        } = self.body
+        {
             flags |= HAS_TIMEOUT;
         }
         dst.put_u8(PROTOCOL_VERSION);
@@ -463,7 +489,11 @@ impl<'a> OutFrame<'a> {
         dst.put_u32_le(self.header_len as u32);
         dst.put_u32_le(self.payload_len as u32);
         match self.body {
-            OutBody::Request { method, timeout, metadata } => {
+            OutBody::Request {
+                method,
+                timeout,
+                metadata,
+            } => {
                 dst.put_u16_le(method.len() as u16);
                 dst.put_slice(method.as_bytes());
                 let micros = timeout.map_or(0, |t| t.as_micros().min(u64::MAX as u128) as u64);
@@ -491,7 +521,11 @@ impl<'a> OutFrame<'a> {
     pub fn to_bytes(&self) -> Bytes {
         let mut buf = bytes::BytesMut::with_capacity(self.len());
         self.encode(&mut buf);
-        debug_assert_eq!(buf.len(), self.len(), "payload wrote a different length than it announced");
+        debug_assert_eq!(
+            buf.len(),
+            self.len(),
+            "payload wrote a different length than it announced"
+        );
         buf.freeze()
     }
 }
@@ -531,16 +565,25 @@ fn metadata_len(metadata: &MetadataMap) -> usize {
     if metadata.len() > u16::MAX as usize {
         return usize::MAX / 2; // reported as HeaderTooLarge
     }
-    2 + metadata.iter().map(|(k, v)| 2 + k.len() + 4 + v.len()).sum::<usize>()
+    2 + metadata
+        .iter()
+        .map(|(k, v)| 2 + k.len() + 4 + v.len())
+        .sum::<usize>()
 }
 
 fn header_fields_len(body: &OutBody<'_>) -> usize {
     match body {
-        OutBody::Request { method, metadata, .. } => 2 + method.len() + 8 + metadata_len(metadata),
+        OutBody::Request {
+            method, metadata, ..
+        } => 2 + method.len() + 8 + metadata_len(metadata),
         OutBody::Status(status) => {
-            4 + 4 + truncate_utf8(status.message(), MAX_STATUS_MESSAGE_LEN).len() + metadata_len(status.metadata())
+            4 + 4
+                + truncate_utf8(status.message(), MAX_STATUS_MESSAGE_LEN).len()
+                + metadata_len(status.metadata())
         }
-        OutBody::GoAway(status) => 4 + 4 + truncate_utf8(status.message(), MAX_STATUS_MESSAGE_LEN).len(),
+        OutBody::GoAway(status) => {
+            4 + 4 + truncate_utf8(status.message(), MAX_STATUS_MESSAGE_LEN).len()
+        }
         OutBody::WindowUpdate(_) => 4,
         OutBody::Message | OutBody::Cancel => 0,
     }
@@ -564,7 +607,11 @@ mod tests {
         let payload = Bytes::from_static(b"hello");
         let frame = OutFrame::new(
             7 << 32 | 3,
-            OutBody::Request { method: "/pkg.Svc/Do", timeout: Some(Duration::from_millis(1500)), metadata: &metadata },
+            OutBody::Request {
+                method: "/pkg.Svc/Do",
+                timeout: Some(Duration::from_millis(1500)),
+                metadata: &metadata,
+            },
             Some(&payload),
             true,
         )
@@ -575,7 +622,11 @@ mod tests {
         assert_eq!(decoded.payload.as_deref(), Some(&b"hello"[..]));
         assert_eq!(
             decoded.body,
-            FrameBody::Request { method: "/pkg.Svc/Do".into(), timeout: Some(Duration::from_millis(1500)), metadata }
+            FrameBody::Request {
+                method: "/pkg.Svc/Do".into(),
+                timeout: Some(Duration::from_millis(1500)),
+                metadata
+            }
         );
     }
 
@@ -593,16 +644,30 @@ mod tests {
     fn status_and_control_frames_round_trip() {
         let mut status = Status::not_found("no such key: ü");
         status.metadata_mut().insert("retry-after", "3");
-        assert_eq!(round_trip(&OutFrame::new(9, OutBody::Status(&status), None, false).unwrap()).body, FrameBody::Status(status.clone()));
-        assert_eq!(round_trip(&OutFrame::control(9, OutBody::Cancel, false)).body, FrameBody::Cancel);
-        assert_eq!(round_trip(&OutFrame::control(9, OutBody::WindowUpdate(65536), false)).body, FrameBody::WindowUpdate(65536));
+        assert_eq!(
+            round_trip(&OutFrame::new(9, OutBody::Status(&status), None, false).unwrap()).body,
+            FrameBody::Status(status.clone())
+        );
+        assert_eq!(
+            round_trip(&OutFrame::control(9, OutBody::Cancel, false)).body,
+            FrameBody::Cancel
+        );
+        assert_eq!(
+            round_trip(&OutFrame::control(9, OutBody::WindowUpdate(65536), false)).body,
+            FrameBody::WindowUpdate(65536)
+        );
         let bye = Status::unavailable("shutting down");
-        assert_eq!(round_trip(&OutFrame::control(0, OutBody::GoAway(&bye), false)).body, FrameBody::GoAway(bye));
+        assert_eq!(
+            round_trip(&OutFrame::control(0, OutBody::GoAway(&bye), false)).body,
+            FrameBody::GoAway(bye)
+        );
     }
 
     #[test]
     fn other_versions_are_refused_by_name() {
-        let mut bytes = OutFrame::control(1, OutBody::Cancel, false).to_bytes().to_vec();
+        let mut bytes = OutFrame::control(1, OutBody::Cancel, false)
+            .to_bytes()
+            .to_vec();
         bytes[0] = 2;
         let err = Frame::decode(bytes.into()).unwrap_err();
         assert_eq!(err, FrameError::UnsupportedVersion { got: 2 });
@@ -612,14 +677,29 @@ mod tests {
     #[test]
     fn lengths_that_disagree_with_the_frame_are_refused() {
         let payload = Bytes::from_static(b"abc");
-        let good = OutFrame::new(1, OutBody::Message, Some(&payload), false).unwrap().to_bytes();
+        let good = OutFrame::new(1, OutBody::Message, Some(&payload), false)
+            .unwrap()
+            .to_bytes();
         // Cut one byte off: the head still claims 3 payload bytes.
         let err = Frame::decode(good.slice(..good.len() - 1)).unwrap_err();
-        assert!(matches!(err, FrameError::LengthMismatch { payload: 3, actual: 2, .. }), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                FrameError::LengthMismatch {
+                    payload: 3,
+                    actual: 2,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
         // Claim a header length far past the end.
         let mut lying = good.to_vec();
         lying[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(Frame::decode(lying.into()), Err(FrameError::LengthMismatch { .. })));
+        assert!(matches!(
+            Frame::decode(lying.into()),
+            Err(FrameError::LengthMismatch { .. })
+        ));
     }
 
     #[test]
@@ -631,36 +711,56 @@ mod tests {
         bytes.extend_from_slice(&0u32.to_le_bytes());
         bytes.extend_from_slice(&200u16.to_le_bytes());
         bytes.extend_from_slice(b"abc");
-        assert_eq!(Frame::decode(bytes.into()), Err(FrameError::Truncated("method")));
+        assert_eq!(
+            Frame::decode(bytes.into()),
+            Err(FrameError::Truncated("method"))
+        );
     }
 
     #[test]
     fn unknown_kinds_and_flags_are_refused() {
-        let good = OutFrame::control(1, OutBody::Cancel, false).to_bytes().to_vec();
+        let good = OutFrame::control(1, OutBody::Cancel, false)
+            .to_bytes()
+            .to_vec();
         let mut kind = good.clone();
         kind[1] = 99;
         assert_eq!(Frame::decode(kind.into()), Err(FrameError::UnknownKind(99)));
         let mut flags = good.clone();
         flags[2] = 0x80;
-        assert!(matches!(Frame::decode(flags.into()), Err(FrameError::BadFlags { .. })));
+        assert!(matches!(
+            Frame::decode(flags.into()),
+            Err(FrameError::BadFlags { .. })
+        ));
         let mut end_on_cancel = good;
         end_on_cancel[2] = END_STREAM;
-        assert!(matches!(Frame::decode(end_on_cancel.into()), Err(FrameError::Unexpected { .. })));
+        assert!(matches!(
+            Frame::decode(end_on_cancel.into()),
+            Err(FrameError::Unexpected { .. })
+        ));
     }
 
     #[test]
     fn too_much_metadata_is_refused_before_sending() {
         let mut metadata = MetadataMap::new();
         metadata.insert("big", vec![0u8; MAX_HEADER_LEN]);
-        let body = OutBody::Request { method: "/a/b", timeout: None, metadata: &metadata };
-        assert!(matches!(OutFrame::new(1, body, None, true), Err(FrameError::HeaderTooLarge(_))));
+        let body = OutBody::Request {
+            method: "/a/b",
+            timeout: None,
+            metadata: &metadata,
+        };
+        assert!(matches!(
+            OutFrame::new(1, body, None, true),
+            Err(FrameError::HeaderTooLarge(_))
+        ));
     }
 
     #[test]
     fn long_status_messages_are_cut_on_a_char_boundary() {
         let status = Status::internal("é".repeat(MAX_STATUS_MESSAGE_LEN));
         let decoded = round_trip(&OutFrame::new(1, OutBody::Status(&status), None, false).unwrap());
-        let FrameBody::Status(got) = decoded.body else { panic!("not a status") };
+        let FrameBody::Status(got) = decoded.body else {
+            panic!("not a status")
+        };
         assert_eq!(got.message().len(), MAX_STATUS_MESSAGE_LEN);
         assert!(got.message().chars().all(|c| c == 'é'));
     }
@@ -680,7 +780,11 @@ mod tests {
         metadata.insert("k", "v");
         let valid = OutFrame::new(
             5,
-            OutBody::Request { method: "/s/m", timeout: None, metadata: &metadata },
+            OutBody::Request {
+                method: "/s/m",
+                timeout: None,
+                metadata: &metadata,
+            },
             Some(&sample),
             false,
         )
@@ -699,6 +803,9 @@ mod tests {
             }
         }
         // Mutating only the payload leaves a valid frame, so some decode; most must not.
-        assert!(decoded_ok > 0 && decoded_ok < 20_000, "{decoded_ok} of 20000 decoded");
+        assert!(
+            decoded_ok > 0 && decoded_ok < 20_000,
+            "{decoded_ok} of 20000 decoded"
+        );
     }
 }

@@ -79,7 +79,10 @@ mod message;
 mod server;
 mod status;
 
-pub use client::{AddressError, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT};
+pub use client::{
+    AddressError, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE,
+    DEFAULT_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT,
+};
 pub use codec::{BytesCodec, Codec, ProstCodec};
 pub use message::{IntoRequest, IntoStreamingRequest, Request, Response, Streaming};
 pub use metadata::MetadataMap;

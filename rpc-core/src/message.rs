@@ -27,7 +27,11 @@ pub struct Request<T> {
 impl<T> Request<T> {
     /// A request carrying `message`, with no metadata and the channel's default timeout.
     pub fn new(message: T) -> Request<T> {
-        Request { message, metadata: MetadataMap::new(), timeout: None }
+        Request {
+            message,
+            metadata: MetadataMap::new(),
+            timeout: None,
+        }
     }
 
     /// The message.
@@ -68,8 +72,16 @@ impl<T> Request<T> {
         self.timeout
     }
 
-    pub(crate) fn from_parts(message: T, metadata: MetadataMap, timeout: Option<Duration>) -> Request<T> {
-        Request { message, metadata, timeout }
+    pub(crate) fn from_parts(
+        message: T,
+        metadata: MetadataMap,
+        timeout: Option<Duration>,
+    ) -> Request<T> {
+        Request {
+            message,
+            metadata,
+            timeout,
+        }
     }
 
     pub(crate) fn into_parts(self) -> (T, MetadataMap, Option<Duration>) {
@@ -89,7 +101,10 @@ pub struct Response<T> {
 impl<T> Response<T> {
     /// A response carrying `message`.
     pub fn new(message: T) -> Response<T> {
-        Response { message, metadata: MetadataMap::new() }
+        Response {
+            message,
+            metadata: MetadataMap::new(),
+        }
     }
 
     /// The message.
@@ -213,7 +228,9 @@ impl RecvWindow {
     }
 
     fn consumed(&mut self, len: usize) {
-        self.consumed = self.consumed.saturating_add(len.min(u32::MAX as usize) as u32);
+        self.consumed = self
+            .consumed
+            .saturating_add(len.min(u32::MAX as usize) as u32);
         if self.consumed >= self.threshold {
             self.pending_grant = self.pending_grant.saturating_add(self.consumed);
             self.consumed = 0;
@@ -226,7 +243,11 @@ impl RecvWindow {
         if self.pending_grant == 0 {
             return Poll::Ready(());
         }
-        let frame = OutFrame::control(self.call_id, OutBody::WindowUpdate(self.pending_grant), false);
+        let frame = OutFrame::control(
+            self.call_id,
+            OutBody::WindowUpdate(self.pending_grant),
+            false,
+        );
         ready!(self.sink.poll_send(cx, &frame)).ok();
         self.pending_grant = 0;
         Poll::Ready(())
@@ -254,7 +275,9 @@ pub struct Streaming<T> {
 
 impl<T> std::fmt::Debug for Streaming<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Streaming").field("done", &self.done).finish_non_exhaustive()
+        f.debug_struct("Streaming")
+            .field("done", &self.done)
+            .finish_non_exhaustive()
     }
 }
 
@@ -268,14 +291,19 @@ pub(crate) struct StreamingParts {
 }
 
 impl<T> Streaming<T> {
-    pub(crate) fn new(parts: StreamingParts, decode: fn(Bytes) -> Result<T, Status>) -> Streaming<T> {
+    pub(crate) fn new(
+        parts: StreamingParts,
+        decode: fn(Bytes) -> Result<T, Status>,
+    ) -> Streaming<T> {
         Streaming {
             first: parts.first,
             rx: parts.rx,
             decode,
             max_message_size: parts.max_message_size,
             window: parts.window,
-            deadline: parts.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            deadline: parts
+                .deadline
+                .map(|d| Box::pin(tokio::time::sleep_until(d))),
             trailers: None,
             done: false,
             _guard: parts.guard,
@@ -284,7 +312,9 @@ impl<T> Streaming<T> {
 
     /// The next message; `Ok(None)` at a successful end of stream.
     pub async fn message(&mut self) -> Result<Option<T>, Status> {
-        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next(cx)).await.transpose()
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next(cx))
+            .await
+            .transpose()
     }
 
     /// Metadata the server sent with its final status, once the stream ended.
@@ -335,7 +365,9 @@ impl<T> Stream for Streaming<T> {
         }
         if let Some(deadline) = &mut this.deadline {
             if deadline.as_mut().poll(cx).is_ready() {
-                return this.finish(Some(Err(Status::deadline_exceeded("deadline passed while streaming"))));
+                return this.finish(Some(Err(Status::deadline_exceeded(
+                    "deadline passed while streaming",
+                ))));
             }
         }
         let Some(rx) = &mut this.rx else {

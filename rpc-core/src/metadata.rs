@@ -34,7 +34,10 @@ impl MetadataMap {
     /// keys are code, not data, so a bad one is a programming error.
     pub fn insert(&mut self, key: impl Into<String>, value: impl Into<Bytes>) {
         let key = key.into();
-        assert!(is_valid_key(&key), "invalid metadata key {key:?}: use lowercase a-z, 0-9, '-', '_', '.'");
+        assert!(
+            is_valid_key(&key),
+            "invalid metadata key {key:?}: use lowercase a-z, 0-9, '-', '_', '.'"
+        );
         self.entries.push((key, value.into()));
     }
 
@@ -50,7 +53,10 @@ impl MetadataMap {
 
     /// Every value for `key`, in order.
     pub fn get_all<'a>(&'a self, key: &'a str) -> impl Iterator<Item = &'a Bytes> + 'a {
-        self.entries.iter().filter(move |(k, _)| k == key).map(|(_, v)| v)
+        self.entries
+            .iter()
+            .filter(move |(k, _)| k == key)
+            .map(|(_, v)| v)
     }
 
     /// Removes every value for `key`; returns whether there was one.
@@ -84,9 +90,9 @@ impl MetadataMap {
 /// Whether `key` is a valid metadata key.
 pub(crate) fn is_valid_key(key: &str) -> bool {
     !key.is_empty()
-        && key
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.'))
+        && key.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+        })
 }
 
 impl fmt::Debug for MetadataMap {

@@ -15,7 +15,10 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::client::{frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT};
+use crate::client::{
+    frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_STREAM_WINDOW,
+    INITIAL_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT,
+};
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
@@ -87,7 +90,9 @@ pub struct ServerBuilder {
 
 impl std::fmt::Debug for ServerBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerBuilder").field("services", &self.services.keys()).finish_non_exhaustive()
+        f.debug_struct("ServerBuilder")
+            .field("services", &self.services.keys())
+            .finish_non_exhaustive()
     }
 }
 
@@ -98,7 +103,10 @@ impl ServerBuilder {
     /// If a service of the same name was added already.
     pub fn add_service<S: Service>(mut self, service: S) -> ServerBuilder {
         let name = service.name();
-        assert!(self.services.insert(name, Arc::new(service)).is_none(), "service {name} added twice");
+        assert!(
+            self.services.insert(name, Arc::new(service)).is_none(),
+            "service {name} added twice"
+        );
         self
     }
 
@@ -128,7 +136,10 @@ impl ServerBuilder {
         let listener = transport
             .listen(&authority, frame_limits(self.max_message_size))
             .await
-            .map_err(|source| ServeError::Listen { address: address.into(), source })?;
+            .map_err(|source| ServeError::Listen {
+                address: address.into(),
+                source,
+            })?;
         Ok(BoundServer {
             local_addr: listener.local_addr(),
             listener,
@@ -147,7 +158,11 @@ impl ServerBuilder {
     }
 
     /// Listens on `address` and serves until `signal` completes, then shuts down gracefully.
-    pub async fn serve_with_shutdown(self, address: &str, signal: impl Future<Output = ()>) -> Result<(), ServeError> {
+    pub async fn serve_with_shutdown(
+        self,
+        address: &str,
+        signal: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
         self.bind(address).await?.serve_with_shutdown(signal).await
     }
 }
@@ -168,7 +183,9 @@ pub struct BoundServer {
 
 impl std::fmt::Debug for BoundServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BoundServer").field("local_addr", &self.local_addr).finish_non_exhaustive()
+        f.debug_struct("BoundServer")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
     }
 }
 
@@ -186,7 +203,10 @@ impl BoundServer {
     /// Serves until `signal` completes, then shuts down gracefully: stops
     /// accepting, tells every client to send no new calls (GoAway), lets calls
     /// in flight finish (within the shutdown grace, if set) and closes.
-    pub async fn serve_with_shutdown(mut self, signal: impl Future<Output = ()>) -> Result<(), ServeError> {
+    pub async fn serve_with_shutdown(
+        mut self,
+        signal: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let mut connections = JoinSet::new();
         let mut signal = pin!(signal);
@@ -210,14 +230,14 @@ impl BoundServer {
         drop(self.listener);
         tracing::info!(address = %self.local_addr, "shutting down: draining {} connections", connections.len());
         let _ = shutdown_tx.send(true);
-        let drain = async {
-            while connections.join_next().await.is_some() {}
-        };
+        let drain = async { while connections.join_next().await.is_some() {} };
         match self.shutdown_grace {
             None => drain.await,
             Some(grace) => {
                 if tokio::time::timeout(grace, drain).await.is_err() {
-                    tracing::warn!("shutdown grace of {grace:?} passed: cancelling the calls still running");
+                    tracing::warn!(
+                        "shutdown grace of {grace:?} passed: cancelling the calls still running"
+                    );
                     connections.shutdown().await;
                 }
             }
@@ -294,20 +314,44 @@ impl ServerConn {
     async fn dispatch(self: &Arc<Self>, frame: Frame, draining: bool) -> Result<(), String> {
         let id = frame.call_id;
         match frame.body {
-            FrameBody::Request { method, timeout, metadata } => {
+            FrameBody::Request {
+                method,
+                timeout,
+                metadata,
+            } => {
                 if self.calls().contains_key(&id) {
                     return Err(format!("call id {id:#x} reused while its call is open"));
                 }
                 if draining {
-                    return Ok(self.send_final(id, &Status::unavailable("server is shutting down")).await);
+                    return Ok(self
+                        .send_final(id, &Status::unavailable("server is shutting down"))
+                        .await);
                 }
-                if let Some(len) = frame.payload.as_ref().map(Bytes::len).filter(|&l| l > self.routes.max_message_size) {
+                if let Some(len) = frame
+                    .payload
+                    .as_ref()
+                    .map(Bytes::len)
+                    .filter(|&l| l > self.routes.max_message_size)
+                {
                     return self.refuse_oversized(id, FrameKind::Request, len).await;
                 }
-                self.open_call(id, method, timeout, metadata, frame.payload, frame.end_stream).await;
+                self.open_call(
+                    id,
+                    method,
+                    timeout,
+                    metadata,
+                    frame.payload,
+                    frame.end_stream,
+                )
+                .await;
             }
             FrameBody::Message => {
-                if let Some(len) = frame.payload.as_ref().map(Bytes::len).filter(|&l| l > self.routes.max_message_size) {
+                if let Some(len) = frame
+                    .payload
+                    .as_ref()
+                    .map(Bytes::len)
+                    .filter(|&l| l > self.routes.max_message_size)
+                {
                     return self.refuse_oversized(id, FrameKind::Message, len).await;
                 }
                 let mut calls = self.calls();
@@ -315,7 +359,9 @@ impl ServerConn {
                     return Ok(()); // the call already ended: its late messages are dropped
                 };
                 let Some(inbound) = &slot.inbound else {
-                    return Err(format!("message after the end of call {id:#x}'s request stream"));
+                    return Err(format!(
+                        "message after the end of call {id:#x}'s request stream"
+                    ));
                 };
                 if let Some(payload) = frame.payload {
                     let _ = inbound.send(Inbound::Message(payload));
@@ -379,15 +425,34 @@ impl ServerConn {
             return self.send_final(id, &status).await;
         };
         let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
-        let (inbound_tx, inbound_rx) = if end_stream { (None, None) } else {
+        let (inbound_tx, inbound_rx) = if end_stream {
+            (None, None)
+        } else {
             let (tx, rx) = mpsc::unbounded_channel();
             (Some(tx), Some(rx))
         };
-        self.calls().insert(id, CallSlot { inbound: inbound_tx, window: Arc::clone(&window), task: None });
+        self.calls().insert(
+            id,
+            CallSlot {
+                inbound: inbound_tx,
+                window: Arc::clone(&window),
+                task: None,
+            },
+        );
         let deadline = timeout.map(|t| Instant::now() + t);
-        let call = ServerCall { conn: Arc::clone(self), id, metadata, timeout, first, inbound: inbound_rx, window };
+        let call = ServerCall {
+            conn: Arc::clone(self),
+            id,
+            metadata,
+            timeout,
+            first,
+            inbound: inbound_rx,
+            window,
+        };
         let span = tracing::debug_span!("rpc.server", method = %path, peer = %self.peer);
-        let task = tokio::spawn(run_call(Arc::clone(self), id, service, method, path, deadline, call).instrument(span));
+        let task = tokio::spawn(
+            run_call(Arc::clone(self), id, service, method, path, deadline, call).instrument(span),
+        );
         if let Some(slot) = self.calls().get_mut(&id) {
             slot.task = Some(task.abort_handle());
         }
@@ -442,7 +507,11 @@ impl Drop for ConnGuard {
     }
 }
 
-async fn serve_connection(routes: Arc<Routes>, connection: Connection, mut shutdown: watch::Receiver<bool>) {
+async fn serve_connection(
+    routes: Arc<Routes>,
+    connection: Connection,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let conn = Arc::new(ServerConn {
         sink: connection.sink,
         peer: connection.peer,
@@ -494,7 +563,10 @@ async fn serve_connection(routes: Arc<Routes>, connection: Connection, mut shutd
     if let Some(violation) = violation {
         tracing::warn!(peer = %conn.peer, "closing connection: protocol error: {violation}");
         let status = Status::internal(format!("protocol error: {violation}"));
-        let _ = conn.sink.send(&OutFrame::control(0, OutBody::GoAway(&status), false)).await;
+        let _ = conn
+            .sink
+            .send(&OutFrame::control(0, OutBody::GoAway(&status), false))
+            .await;
     }
     tracing::debug!(peer = %conn.peer, "connection closed");
 }
@@ -513,7 +585,9 @@ pub struct ServerCall {
 
 impl std::fmt::Debug for ServerCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerCall").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("ServerCall")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -521,16 +595,28 @@ impl ServerCall {
     /// The single request message of a unary or server-streaming call.
     fn single_request<C: Codec>(&mut self) -> Result<Request<C::Decode>, Status> {
         if self.inbound.is_some() {
-            return Err(Status::internal("client sent a stream to a method that takes one message"));
+            return Err(Status::internal(
+                "client sent a stream to a method that takes one message",
+            ));
         }
-        let bytes = self.first.take().ok_or_else(|| Status::internal("request carried no message"))?;
-        Ok(Request::from_parts(C::decode(bytes)?, std::mem::take(&mut self.metadata), self.timeout))
+        let bytes = self
+            .first
+            .take()
+            .ok_or_else(|| Status::internal("request carried no message"))?;
+        Ok(Request::from_parts(
+            C::decode(bytes)?,
+            std::mem::take(&mut self.metadata),
+            self.timeout,
+        ))
     }
 
     /// The request stream of a client-streaming or bidi call.
     fn request_stream<C: Codec>(&mut self) -> Request<Streaming<C::Decode>> {
         let routes = &self.conn.routes;
-        let window = self.inbound.is_some().then(|| RecvWindow::new(Arc::clone(&self.conn.sink), self.id, routes.stream_window));
+        let window = self
+            .inbound
+            .is_some()
+            .then(|| RecvWindow::new(Arc::clone(&self.conn.sink), self.id, routes.stream_window));
         let stream = Streaming::new(
             StreamingParts {
                 first: self.first.take(),
@@ -584,7 +670,8 @@ impl ServerCall {
                 return; // the connection is gone; its reader cleans up
             }
         }
-        self.finish_with_status(Status::ok("").with_metadata(metadata)).await;
+        self.finish_with_status(Status::ok("").with_metadata(metadata))
+            .await;
     }
 }
 

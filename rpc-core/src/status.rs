@@ -125,7 +125,11 @@ macro_rules! constructors {
 impl Status {
     /// A status with `code` and `message`.
     pub fn new(code: Code, message: impl Into<String>) -> Status {
-        Status { code, message: message.into(), metadata: MetadataMap::new() }
+        Status {
+            code,
+            message: message.into(),
+            metadata: MetadataMap::new(),
+        }
     }
 
     constructors! {

@@ -98,7 +98,9 @@ pub struct Connection {
 
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Connection").field("peer", &self.peer).finish_non_exhaustive()
+        f.debug_struct("Connection")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
     }
 }
 
@@ -113,7 +115,11 @@ pub trait FrameSink: Send + Sync + 'static {
     /// into the transport's memory and will be sent without further calls.
     ///
     /// Fails once the connection is closed or broken; the error is the cause.
-    fn poll_send(&self, cx: &mut Context<'_>, frame: &OutFrame<'_>) -> Poll<Result<(), TransportError>>;
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        frame: &OutFrame<'_>,
+    ) -> Poll<Result<(), TransportError>>;
 
     /// Starts an orderly close: frames already accepted are still sent, then
     /// the peer sees end-of-stream. Later sends fail with [`TransportError::Closed`].
@@ -190,7 +196,10 @@ pub enum TransportError {
 impl TransportError {
     /// An [`TransportError::Io`] with what was being done.
     pub fn io(context: impl Into<String>, source: io::Error) -> TransportError {
-        TransportError::Io { context: context.into(), source }
+        TransportError::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 
@@ -207,17 +216,29 @@ fn registry() -> &'static RwLock<HashMap<&'static str, Arc<dyn Transport>>> {
 ///
 /// Transport crates wrap this in an `install()` function with default settings.
 pub fn register(transport: Arc<dyn Transport>) {
-    registry().write().unwrap_or_else(|e| e.into_inner()).insert(transport.scheme(), transport);
+    registry()
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(transport.scheme(), transport);
 }
 
 /// The transport registered for `scheme`.
 pub fn lookup(scheme: &str) -> Option<Arc<dyn Transport>> {
-    registry().read().unwrap_or_else(|e| e.into_inner()).get(scheme).cloned()
+    registry()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(scheme)
+        .cloned()
 }
 
 /// The schemes that have a transport, sorted (for error messages).
 pub fn registered_schemes() -> Vec<&'static str> {
-    let mut schemes: Vec<_> = registry().read().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+    let mut schemes: Vec<_> = registry()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .keys()
+        .copied()
+        .collect();
     schemes.sort_unstable();
     schemes
 }

@@ -61,7 +61,10 @@ async fn unary_round_trips_message_and_metadata(listen: String) {
     let client = client_for(&server).await;
     let mut request = Request::new(Bytes::from_static(b"ping"));
     request.metadata_mut().insert("x-echo", "trace-7");
-    let response = client.unary::<BytesCodec>("/test.Test/Echo", request).await.unwrap();
+    let response = client
+        .unary::<BytesCodec>("/test.Test/Echo", request)
+        .await
+        .unwrap();
     assert_eq!(response.metadata().get_str("x-echo"), Some("trace-7"));
     assert_eq!(response.into_inner(), "ping");
     server.stop().await;
@@ -70,7 +73,10 @@ async fn unary_round_trips_message_and_metadata(listen: String) {
 async fn handler_errors_arrive_with_code_message_and_trailers(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let status = client.unary::<BytesCodec>("/test.Test/Fail", Request::new(Bytes::new())).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Fail", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::NotFound);
     assert_eq!(status.message(), "nothing here");
     assert_eq!(status.metadata().get_str("x-reason"), Some("test"));
@@ -86,10 +92,17 @@ async fn server_streaming_delivers_every_message_in_order(listen: String) {
         .unwrap();
     let mut stream = response.into_inner();
     for i in 0..500 {
-        assert_eq!(stream.message().await.unwrap(), Some(count_message(i, 100)), "message {i}");
+        assert_eq!(
+            stream.message().await.unwrap(),
+            Some(count_message(i, 100)),
+            "message {i}"
+        );
     }
     assert_eq!(stream.message().await.unwrap(), None);
-    assert!(stream.trailers().is_some(), "a finished stream has the server's trailers");
+    assert!(
+        stream.trailers().is_some(),
+        "a finished stream has the server's trailers"
+    );
     server.stop().await;
 }
 
@@ -97,10 +110,16 @@ async fn client_streaming_sums_every_message(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
     let messages = futures::stream::iter((0..300u32).map(|i| Bytes::from(vec![1u8; i as usize])));
-    let reply = client.client_streaming::<BytesCodec, _>("/test.Test/Sum", Request::new(messages)).await.unwrap();
+    let reply = client
+        .client_streaming::<BytesCodec, _>("/test.Test/Sum", Request::new(messages))
+        .await
+        .unwrap();
     let reply = reply.into_inner();
     assert_eq!(u64::from_le_bytes(reply[..8].try_into().unwrap()), 300);
-    assert_eq!(u64::from_le_bytes(reply[8..].try_into().unwrap()), (0..300u64).sum::<u64>());
+    assert_eq!(
+        u64::from_le_bytes(reply[8..].try_into().unwrap()),
+        (0..300u64).sum::<u64>()
+    );
     server.stop().await;
 }
 
@@ -108,8 +127,13 @@ async fn bidi_streaming_answers_each_message(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
-    let outgoing = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
-    let mut replies = client.streaming::<BytesCodec, _>("/test.Test/Chat", Request::new(outgoing)).await.unwrap().into_inner();
+    let outgoing =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let mut replies = client
+        .streaming::<BytesCodec, _>("/test.Test/Chat", Request::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
     for i in 0..50 {
         // Lock-step: each reply arrives before the next message is sent.
         tx.send(Bytes::from(format!("m{i}"))).unwrap();
@@ -127,8 +151,15 @@ async fn ten_thousand_concurrent_calls_on_one_channel_none_mixed_up(listen: Stri
         let client = client.clone();
         tokio::spawn(async move {
             let body = Bytes::from(format!("call-{i}-{}", "x".repeat((i % 97) as usize)));
-            let reply = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone())).await.unwrap();
-            assert_eq!(reply.into_inner(), body, "call {i} got another call's reply");
+            let reply = client
+                .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+                .await
+                .unwrap();
+            assert_eq!(
+                reply.into_inner(),
+                body,
+                "call {i} got another call's reply"
+            );
         })
     });
     let results = futures::future::join_all(calls).await;
@@ -142,23 +173,43 @@ async fn deadline_fails_the_call_and_cancels_the_handler(listen: String) {
     let mut request = Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec()));
     request.set_timeout(Duration::from_millis(200));
     let started = Instant::now();
-    let status = client.unary::<BytesCodec>("/test.Test/Sleep", request).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Sleep", request)
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
     let probes = &server.probes;
     assert!(
-        eventually(Duration::from_secs(5), || probes.cancelled.load(Ordering::SeqCst) == 1).await,
+        eventually(Duration::from_secs(5), || probes
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
         "the handler was not cancelled"
     );
     // The connection is still good.
-    client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"after"))).await.unwrap();
+    client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"after")),
+        )
+        .await
+        .unwrap();
     server.stop().await;
 }
 
 async fn dropping_the_call_cancels_the_handler(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let call = client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())));
+    let call = client.unary::<BytesCodec>(
+        "/test.Test/Sleep",
+        Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
+    );
     let probes = &server.probes;
     tokio::select! {
         _ = call => panic!("a 10 s call finished"),
@@ -166,7 +217,11 @@ async fn dropping_the_call_cancels_the_handler(listen: String) {
     }
     // The call future is dropped here.
     assert!(
-        eventually(Duration::from_secs(5), || probes.cancelled.load(Ordering::SeqCst) == 1).await,
+        eventually(Duration::from_secs(5), || probes
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
         "the handler kept running after the caller went away"
     );
     server.stop().await;
@@ -176,7 +231,10 @@ async fn unknown_service_and_method_are_unimplemented(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
     for path in ["/test.Nope/Echo", "/test.Test/Nope", "no-slashes"] {
-        let status = client.unary::<BytesCodec>(path, Request::new(Bytes::new())).await.unwrap_err();
+        let status = client
+            .unary::<BytesCodec>(path, Request::new(Bytes::new()))
+            .await
+            .unwrap_err();
         assert_eq!(status.code(), Code::Unimplemented, "{path}: {status}");
     }
     server.stop().await;
@@ -185,35 +243,74 @@ async fn unknown_service_and_method_are_unimplemented(listen: String) {
 async fn panicking_handler_fails_only_its_call(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let status = client.unary::<BytesCodec>("/test.Test/Panic", Request::new(Bytes::new())).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Panic", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Internal);
     assert!(status.message().contains("panicked"), "{status}");
-    let reply = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"still here"))).await;
+    let reply = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"still here")),
+        )
+        .await;
     assert_eq!(reply.unwrap().into_inner(), "still here");
     server.stop().await;
 }
 
-async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_survives(listen: String) {
+async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_survives(
+    listen: String,
+) {
     let server = TestServer::start(&listen, |b| b.max_message_size(1 << 20)).await;
-    let channel = Endpoint::new(&server.address).unwrap().max_message_size(4 << 20).connect().await.unwrap();
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .max_message_size(4 << 20)
+        .connect()
+        .await
+        .unwrap();
     let client = Client::new(channel);
     // Over the client's own limit: refused before sending.
-    let status = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from(vec![0u8; 5 << 20]))).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from(vec![0u8; 5 << 20])),
+        )
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
     // Within the client's limit, over the server's: refused by the server.
-    let status = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from(vec![0u8; 2 << 20]))).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from(vec![0u8; 2 << 20])),
+        )
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
     // A response over the client's limit.
-    let small = Client::new(Endpoint::new(&server.address).unwrap().max_message_size(1000).connect().await.unwrap());
+    let small = Client::new(
+        Endpoint::new(&server.address)
+            .unwrap()
+            .max_message_size(1000)
+            .connect()
+            .await
+            .unwrap(),
+    );
     let mut stream = small
         .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(count_request(1, 2000)))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(stream.message().await.unwrap_err().code(), Code::ResourceExhausted);
+    assert_eq!(
+        stream.message().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
     // Both connections still carry calls.
     for client in [&client, &small] {
-        let reply = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"ok"))).await;
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"ok")))
+            .await;
         assert_eq!(reply.unwrap().into_inner(), "ok");
     }
     server.stop().await;
@@ -221,7 +318,12 @@ async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_surv
 
 async fn slow_reader_holds_back_a_streaming_server(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
-    let channel = Endpoint::new(&server.address).unwrap().stream_window(1 << 20).connect().await.unwrap();
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .stream_window(1 << 20)
+        .connect()
+        .await
+        .unwrap();
     let client = Client::new(channel);
     let size = 64 * 1024;
     let mut stream = client
@@ -229,11 +331,17 @@ async fn slow_reader_holds_back_a_streaming_server(listen: String) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(stream.message().await.unwrap(), Some(count_message(0, size)));
+    assert_eq!(
+        stream.message().await.unwrap(),
+        Some(count_message(0, size))
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     // 1 MiB of window at 64 KiB a message, plus the message being sent: far fewer than 1000.
     let produced = server.probes.produced.load(Ordering::SeqCst);
-    assert!(produced <= 20, "the server ran {produced} messages ahead of a stalled reader");
+    assert!(
+        produced <= 20,
+        "the server ran {produced} messages ahead of a stalled reader"
+    );
     let mut received = 1;
     while let Some(message) = stream.message().await.unwrap() {
         assert_eq!(message, count_message(received, size));
@@ -252,11 +360,18 @@ async fn slow_handler_holds_back_a_streaming_client(listen: String) {
         counter.fetch_add(1, Ordering::SeqCst);
         Bytes::from(vec![7u8; 64 * 1024])
     });
-    let call = tokio::spawn(async move { client.client_streaming::<BytesCodec, _>("/test.Test/Hold", Request::new(messages)).await });
+    let call = tokio::spawn(async move {
+        client
+            .client_streaming::<BytesCodec, _>("/test.Test/Hold", Request::new(messages))
+            .await
+    });
     // The handler sleeps 400 ms before reading; meanwhile the client may only fill the window.
     tokio::time::sleep(Duration::from_millis(250)).await;
     let ahead = sent.load(Ordering::SeqCst);
-    assert!(ahead <= 20, "the client sent {ahead} messages into a handler that reads none");
+    assert!(
+        ahead <= 20,
+        "the client sent {ahead} messages into a handler that reads none"
+    );
     let reply = call.await.unwrap().unwrap().into_inner();
     assert_eq!(u64::from_le_bytes(reply[..8].try_into().unwrap()), 200);
     server.stop().await;
@@ -276,27 +391,48 @@ async fn killed_server_fails_pending_calls_and_the_channel_reconnects(listen: St
         .map(|_| {
             let client = client.clone();
             tokio::spawn(async move {
-                client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(Bytes::from(30_000u32.to_le_bytes().to_vec()))).await
+                client
+                    .unary::<BytesCodec>(
+                        "/test.Test/Sleep",
+                        Request::new(Bytes::from(30_000u32.to_le_bytes().to_vec())),
+                    )
+                    .await
             })
         })
         .collect();
     let probes = std::sync::Arc::clone(&server.probes);
-    assert!(eventually(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == 20).await);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 20)
+        .await
+    );
     let killed = Instant::now();
     server.kill().await;
     for call in pending {
         let status = call.await.unwrap().unwrap_err();
         assert_eq!(status.code(), Code::Unavailable, "{status}");
     }
-    assert!(killed.elapsed() < Duration::from_secs(5), "pending calls took {:?} to fail", killed.elapsed());
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "pending calls took {:?} to fail",
+        killed.elapsed()
+    );
     // While nothing listens, calls fail fast with Unavailable.
-    let status = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new())).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status}");
     // A new server on the same address: the same channel reconnects.
     let again = TestServer::start(&address, |b| b).await;
     let mut reply = None;
     for _ in 0..100 {
-        match client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"back"))).await {
+        match client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"back")))
+            .await
+        {
             Ok(r) => {
                 reply = Some(r.into_inner());
                 break;
@@ -317,24 +453,59 @@ async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String) {
     let in_flight = {
         let client = client.clone();
         tokio::spawn(async move {
-            client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(Bytes::from(300u32.to_le_bytes().to_vec()))).await
+            client
+                .unary::<BytesCodec>(
+                    "/test.Test/Sleep",
+                    Request::new(Bytes::from(300u32.to_le_bytes().to_vec())),
+                )
+                .await
         })
     };
     let probes = std::sync::Arc::clone(&server.probes);
-    assert!(eventually(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == 1).await);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
     server.stop().await; // returns once drained
     assert_eq!(in_flight.await.unwrap().unwrap().into_inner(), "slept");
-    let status = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new())).await.unwrap_err();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status}");
 }
 
 async fn empty_and_large_messages_arrive_intact(listen: String) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    for size in [0usize, 1, 4095, 4096, 4097, 65_535, 65_536, 65_537, 1 << 20, 16 << 20, (64 << 20) - 64] {
-        let body: Bytes = (0..size).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>().into();
-        let reply = client.unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone())).await.unwrap();
-        assert!(reply.get_ref() == &body, "{size}-byte message changed in transit");
+    for size in [
+        0usize,
+        1,
+        4095,
+        4096,
+        4097,
+        65_535,
+        65_536,
+        65_537,
+        1 << 20,
+        16 << 20,
+        (64 << 20) - 64,
+    ] {
+        let body: Bytes = (0..size)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect::<Vec<u8>>()
+            .into();
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+            .await
+            .unwrap();
+        assert!(
+            reply.get_ref() == &body,
+            "{size}-byte message changed in transit"
+        );
     }
     server.stop().await;
 }

@@ -34,7 +34,8 @@ use std::task::{ready, Context, Poll, Waker};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{
-    self, BoxFuture, Connection, OVERSIZED_PREFIX_LEN, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError,
+    self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
+    TransportError, OVERSIZED_PREFIX_LEN,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -55,7 +56,9 @@ pub struct TcpTransport {
 
 impl Default for TcpTransport {
     fn default() -> TcpTransport {
-        TcpTransport { write_high_water: 1024 * 1024 }
+        TcpTransport {
+            write_high_water: 1024 * 1024,
+        }
     }
 }
 
@@ -69,21 +72,33 @@ impl TcpTransport {
     }
 
     fn wrap(&self, stream: TcpStream, limits: FrameLimits) -> Result<Connection, TransportError> {
-        stream.set_nodelay(true).map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
         let peer = stream
             .peer_addr()
             .map(|a| format!("tcp://{a}"))
             .map_err(|e| TransportError::io("read peer address", e))?;
         let (read, write) = stream.into_split();
         let shared = Arc::new(SinkShared {
-            state: Mutex::new(SinkState { buf: BytesMut::new(), closed: false, failed: None, waiters: Vec::new() }),
+            state: Mutex::new(SinkState {
+                buf: BytesMut::new(),
+                closed: false,
+                failed: None,
+                waiters: Vec::new(),
+            }),
             wake_writer: Notify::new(),
             high_water: self.write_high_water,
         });
         tokio::spawn(write_loop(Arc::clone(&shared), write));
         Ok(Connection {
             sink: Arc::new(TcpSink { shared }),
-            source: Box::new(TcpSource { socket: read, buf: BytesMut::new(), limits, skip: 0 }),
+            source: Box::new(TcpSource {
+                socket: read,
+                buf: BytesMut::new(),
+                limits,
+                skip: 0,
+            }),
             peer,
         })
     }
@@ -94,7 +109,11 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn connect<'a>(&'a self, authority: &'a str, limits: FrameLimits) -> BoxFuture<'a, Result<Connection, TransportError>> {
+    fn connect<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let stream = TcpStream::connect(authority)
                 .await
@@ -103,14 +122,24 @@ impl Transport for TcpTransport {
         })
     }
 
-    fn listen<'a>(&'a self, authority: &'a str, limits: FrameLimits) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
+    fn listen<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
             let listener = TcpListener::bind(authority)
                 .await
                 .map_err(|e| TransportError::io(format!("bind tcp://{authority}"), e))?;
-            let local = listener.local_addr().map_err(|e| TransportError::io("read bound address", e))?;
-            Ok(Box::new(TcpFrameListener { listener, local: format!("tcp://{local}"), transport: self.clone(), limits })
-                as Box<dyn Listener>)
+            let local = listener
+                .local_addr()
+                .map_err(|e| TransportError::io("read bound address", e))?;
+            Ok(Box::new(TcpFrameListener {
+                listener,
+                local: format!("tcp://{local}"),
+                transport: self.clone(),
+                limits,
+            }) as Box<dyn Listener>)
         })
     }
 }
@@ -124,7 +153,8 @@ struct TcpFrameListener {
 
 impl Listener for TcpFrameListener {
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
-        let (stream, _) = ready!(self.listener.poll_accept(cx)).map_err(|e| TransportError::io("accept", e))?;
+        let (stream, _) =
+            ready!(self.listener.poll_accept(cx)).map_err(|e| TransportError::io("accept", e))?;
         Poll::Ready(self.transport.wrap(stream, self.limits))
     }
 
@@ -161,10 +191,17 @@ struct TcpSink {
 }
 
 impl FrameSink for TcpSink {
-    fn poll_send(&self, cx: &mut Context<'_>, frame: &OutFrame<'_>) -> Poll<Result<(), TransportError>> {
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        frame: &OutFrame<'_>,
+    ) -> Poll<Result<(), TransportError>> {
         let mut state = self.shared.lock();
         if let Some((kind, message)) = &state.failed {
-            return Poll::Ready(Err(TransportError::io("write to peer", io::Error::new(*kind, message.clone()))));
+            return Poll::Ready(Err(TransportError::io(
+                "write to peer",
+                io::Error::new(*kind, message.clone()),
+            )));
         }
         if state.closed {
             return Poll::Ready(Err(TransportError::Closed));
@@ -177,7 +214,9 @@ impl FrameSink for TcpSink {
         }
         let len = frame.len();
         let Ok(prefix) = u32::try_from(len) else {
-            return Poll::Ready(Err(TransportError::Protocol(format!("frame of {len} bytes does not fit a u32 length"))));
+            return Poll::Ready(Err(TransportError::Protocol(format!(
+                "frame of {len} bytes does not fit a u32 length"
+            ))));
         };
         let was_empty = state.buf.is_empty();
         state.buf.reserve(4 + len);
@@ -278,8 +317,12 @@ impl FrameSource for TcpSource {
                 }
             }
             self.buf.reserve(want);
-            let read = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut self.socket), cx, &mut self.buf))
-                .map_err(|e| TransportError::io("read from peer", e))?;
+            let read = ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut self.socket),
+                cx,
+                &mut self.buf
+            ))
+            .map_err(|e| TransportError::io("read from peer", e))?;
             if read == 0 {
                 return Poll::Ready(if self.buf.is_empty() && self.skip == 0 {
                     Ok(None)

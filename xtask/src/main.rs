@@ -49,8 +49,47 @@ const BUILD_PACKAGES: &[&str] = &["build-essential", "pkg-config"];
 fn demo() -> Result<(), String> {
     setup::ensure_debian_packages(BUILD_PACKAGES)?;
     setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
-    cargo(&["build", "--release", "-p", "examples", "--bins"])?;
-    Err("demo: not wired yet".into())
+    cargo(&["build", "-p", "examples", "--bins"])?;
+    let bin = workspace_root().join("target/debug");
+    println!("== greeter over TCP");
+    greeter_demo(&bin, "tcp://127.0.0.1:0")
+}
+
+/// Starts `greeter-server` on `listen`, runs `greeter-client` against the
+/// address it reports, then stops the server with SIGINT (graceful shutdown).
+fn greeter_demo(bin: &Path, listen: &str) -> Result<(), String> {
+    use std::io::BufRead;
+
+    let mut server = Command::new(bin.join("greeter-server"))
+        .args(["--addr", listen])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("could not start greeter-server: {e}"))?;
+    let stdout = server.stdout.take().expect("piped stdout");
+    let mut first_line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut first_line)
+        .map_err(|e| format!("reading greeter-server's output: {e}"))?;
+    let Some(addr) = first_line.trim().strip_prefix("listening on ") else {
+        let _ = server.kill();
+        return Err(format!(
+            "greeter-server did not start (said {first_line:?})"
+        ));
+    };
+    println!("greeter-server listening on {addr}");
+    let client = run(Command::new(bin.join("greeter-client")).args(["--addr", addr]));
+    let _ = Command::new("kill")
+        .args(["-INT", &server.id().to_string()])
+        .status();
+    let server_status = server
+        .wait()
+        .map_err(|e| format!("waiting for greeter-server: {e}"))?;
+    client?;
+    if !server_status.success() {
+        return Err(format!("greeter-server exited with {server_status}"));
+    }
+    println!("greeter-server shut down cleanly");
+    Ok(())
 }
 
 fn test() -> Result<(), String> {
@@ -64,7 +103,9 @@ fn test() -> Result<(), String> {
 
 /// Runs `cargo ARGS` in the workspace root and fails if it fails.
 fn cargo(args: &[&str]) -> Result<(), String> {
-    run(Command::new(env_cargo()).args(args).current_dir(workspace_root()))
+    run(Command::new(env_cargo())
+        .args(args)
+        .current_dir(workspace_root()))
 }
 
 fn run(command: &mut Command) -> Result<(), String> {

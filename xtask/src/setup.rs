@@ -26,7 +26,10 @@ fn is_installed(package: &str) -> bool {
     Command::new("dpkg-query")
         .args(["-W", "-f=${Status}", package])
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .map(|o| {
+            o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("install ok installed")
+        })
         .unwrap_or(false)
 }
 

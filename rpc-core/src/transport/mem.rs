@@ -11,7 +11,10 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::{BoxFuture, OVERSIZED_PREFIX_LEN, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport, TransportError};
+use super::{
+    BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
+    TransportError, OVERSIZED_PREFIX_LEN,
+};
 use crate::frame::OutFrame;
 
 /// The `mem://` transport; registered in every process by default.
@@ -34,17 +37,24 @@ impl Transport for MemTransport {
         "mem"
     }
 
-    fn connect<'a>(&'a self, name: &'a str, limits: FrameLimits) -> BoxFuture<'a, Result<Connection, TransportError>> {
+    fn connect<'a>(
+        &'a self,
+        name: &'a str,
+        limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let listeners = listeners().lock().unwrap_or_else(|e| e.into_inner());
-            let accept = listeners
-                .get(name)
-                .ok_or_else(|| refused("connect to", name, std::io::ErrorKind::ConnectionRefused))?;
+            let accept = listeners.get(name).ok_or_else(|| {
+                refused("connect to", name, std::io::ErrorKind::ConnectionRefused)
+            })?;
             let (to_server, from_client) = mpsc::unbounded_channel();
             let (to_client, from_server) = mpsc::unbounded_channel();
             let server_side = Connection {
                 sink: Arc::new(MemSink::new(to_client)),
-                source: Box::new(MemSource { rx: from_client, limits }),
+                source: Box::new(MemSource {
+                    rx: from_client,
+                    limits,
+                }),
                 peer: "mem://client".into(),
             };
             accept
@@ -52,13 +62,20 @@ impl Transport for MemTransport {
                 .map_err(|_| refused("connect to", name, std::io::ErrorKind::ConnectionRefused))?;
             Ok(Connection {
                 sink: Arc::new(MemSink::new(to_server)),
-                source: Box::new(MemSource { rx: from_server, limits }),
+                source: Box::new(MemSource {
+                    rx: from_server,
+                    limits,
+                }),
                 peer: format!("mem://{name}"),
             })
         })
     }
 
-    fn listen<'a>(&'a self, name: &'a str, _limits: FrameLimits) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
+    fn listen<'a>(
+        &'a self,
+        name: &'a str,
+        _limits: FrameLimits,
+    ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
             let mut listeners = listeners().lock().unwrap_or_else(|e| e.into_inner());
             if listeners.get(name).is_some_and(|tx| !tx.is_closed()) {
@@ -66,7 +83,10 @@ impl Transport for MemTransport {
             }
             let (tx, rx) = mpsc::unbounded_channel();
             listeners.insert(name.to_string(), tx);
-            Ok(Box::new(MemListener { name: name.to_string(), rx }) as Box<dyn Listener>)
+            Ok(Box::new(MemListener {
+                name: name.to_string(),
+                rx,
+            }) as Box<dyn Listener>)
         })
     }
 }
@@ -78,7 +98,9 @@ struct MemListener {
 
 impl Listener for MemListener {
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
-        self.rx.poll_recv(cx).map(|c| c.ok_or(TransportError::Closed))
+        self.rx
+            .poll_recv(cx)
+            .map(|c| c.ok_or(TransportError::Closed))
     }
 
     fn local_addr(&self) -> String {
@@ -103,17 +125,26 @@ struct MemSink {
 
 impl MemSink {
     fn new(tx: mpsc::UnboundedSender<Bytes>) -> MemSink {
-        MemSink { tx: Mutex::new(Some(tx)) }
+        MemSink {
+            tx: Mutex::new(Some(tx)),
+        }
     }
 }
 
 impl FrameSink for MemSink {
-    fn poll_send(&self, _cx: &mut Context<'_>, frame: &OutFrame<'_>) -> Poll<Result<(), TransportError>> {
+    fn poll_send(
+        &self,
+        _cx: &mut Context<'_>,
+        frame: &OutFrame<'_>,
+    ) -> Poll<Result<(), TransportError>> {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = tx.as_ref() else {
             return Poll::Ready(Err(TransportError::Closed));
         };
-        Poll::Ready(tx.send(frame.to_bytes()).map_err(|_| TransportError::Closed))
+        Poll::Ready(
+            tx.send(frame.to_bytes())
+                .map_err(|_| TransportError::Closed),
+        )
     }
 
     fn close(&self) {
@@ -130,13 +161,18 @@ impl FrameSource for MemSource {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(frame)) if frame.len() > self.limits.max_skip_len() => {
-                Poll::Ready(Err(TransportError::FrameTooLarge { len: frame.len(), max: self.limits.max_frame_len }))
+                Poll::Ready(Err(TransportError::FrameTooLarge {
+                    len: frame.len(),
+                    max: self.limits.max_frame_len,
+                }))
             }
-            Poll::Ready(Some(frame)) if frame.len() > self.limits.max_frame_len => Poll::Ready(Err(TransportError::Oversized {
-                len: frame.len(),
-                max: self.limits.max_frame_len,
-                prefix: frame.slice(..OVERSIZED_PREFIX_LEN.min(frame.len())),
-            })),
+            Poll::Ready(Some(frame)) if frame.len() > self.limits.max_frame_len => {
+                Poll::Ready(Err(TransportError::Oversized {
+                    len: frame.len(),
+                    max: self.limits.max_frame_len,
+                    prefix: frame.slice(..OVERSIZED_PREFIX_LEN.min(frame.len())),
+                }))
+            }
             Poll::Ready(frame) => Poll::Ready(Ok(frame)),
             Poll::Pending => Poll::Pending,
         }

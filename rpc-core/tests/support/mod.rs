@@ -50,7 +50,10 @@ pub fn count_request(messages: u32, size: u32) -> Bytes {
 /// The `i`-th message of a `Count` stream of `size` bytes: its index, repeated.
 pub fn count_message(i: u32, size: u32) -> Bytes {
     let bytes = i.to_le_bytes();
-    (0..size as usize).map(|k| bytes[k % 4]).collect::<Vec<u8>>().into()
+    (0..size as usize)
+        .map(|k| bytes[k % 4])
+        .collect::<Vec<u8>>()
+        .into()
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -65,66 +68,89 @@ impl Service for TestService {
     fn call(&self, method: &str, call: ServerCall) -> BoxFuture<'static, ()> {
         let probes = Arc::clone(&self.probes);
         match method {
-            "Echo" => codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
-                let echo = request.metadata().get("x-echo").cloned();
-                let mut response = Response::new(request.into_inner());
-                if let Some(value) = echo {
-                    response.metadata_mut().insert("x-echo", value);
-                }
-                Ok(response)
-            }),
-            "Fail" => codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
-                let mut status = Status::not_found("nothing here");
-                status.metadata_mut().insert("x-reason", "test");
-                Err::<Response<Bytes>, _>(status)
-            }),
-            "Sleep" => codegen::unary::<BytesCodec, _, _>(call, move |request: Request<Bytes>| async move {
-                probes.sleeping.fetch_add(1, Ordering::SeqCst);
-                let mut probe = CancelProbe(Arc::clone(&probes), false);
-                let millis = u32_at(&request.into_inner(), 0);
-                tokio::time::sleep(Duration::from_millis(millis.into())).await;
-                probe.1 = true;
-                Ok(Response::new(Bytes::from_static(b"slept")))
-            }),
-            "Panic" => codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
-                if true {
-                    panic!("the handler was asked to panic");
-                }
-                Ok(Response::new(Bytes::new()))
-            }),
-            "Count" => codegen::server_streaming::<BytesCodec, _, _, _>(call, move |request: Request<Bytes>| async move {
-                let body = request.into_inner();
-                let (n, size) = (u32_at(&body, 0), u32_at(&body, 4));
-                let stream = futures::stream::iter(0..n).map(move |i| {
-                    probes.produced.fetch_add(1, Ordering::SeqCst);
-                    Ok(count_message(i, size))
-                });
-                Ok(Response::new(stream))
-            }),
-            "Sum" => codegen::client_streaming::<BytesCodec, _, _>(call, |request: Request<Streaming<Bytes>>| async move {
-                let mut stream = request.into_inner();
-                let (mut messages, mut bytes) = (0u64, 0u64);
-                while let Some(message) = stream.message().await? {
-                    messages += 1;
-                    bytes += message.len() as u64;
-                }
-                let mut reply = messages.to_le_bytes().to_vec();
-                reply.extend_from_slice(&bytes.to_le_bytes());
-                Ok(Response::new(Bytes::from(reply)))
-            }),
-            "Hold" => codegen::client_streaming::<BytesCodec, _, _>(call, |request: Request<Streaming<Bytes>>| async move {
-                tokio::time::sleep(Duration::from_millis(400)).await;
-                let mut stream = request.into_inner();
-                let mut messages = 0u64;
-                while stream.message().await?.is_some() {
-                    messages += 1;
-                }
-                Ok(Response::new(Bytes::from(messages.to_le_bytes().to_vec())))
-            }),
-            "Chat" => codegen::streaming::<BytesCodec, _, _, _>(call, |request: Request<Streaming<Bytes>>| async move {
-                let replies = request.into_inner().map(|m| m.map(|b| Bytes::from([&b[..], b"!"].concat())));
-                Ok(Response::new(replies))
-            }),
+            "Echo" => {
+                codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
+                    let echo = request.metadata().get("x-echo").cloned();
+                    let mut response = Response::new(request.into_inner());
+                    if let Some(value) = echo {
+                        response.metadata_mut().insert("x-echo", value);
+                    }
+                    Ok(response)
+                })
+            }
+            "Fail" => {
+                codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
+                    let mut status = Status::not_found("nothing here");
+                    status.metadata_mut().insert("x-reason", "test");
+                    Err::<Response<Bytes>, _>(status)
+                })
+            }
+            "Sleep" => codegen::unary::<BytesCodec, _, _>(
+                call,
+                move |request: Request<Bytes>| async move {
+                    probes.sleeping.fetch_add(1, Ordering::SeqCst);
+                    let mut probe = CancelProbe(Arc::clone(&probes), false);
+                    let millis = u32_at(&request.into_inner(), 0);
+                    tokio::time::sleep(Duration::from_millis(millis.into())).await;
+                    probe.1 = true;
+                    Ok(Response::new(Bytes::from_static(b"slept")))
+                },
+            ),
+            "Panic" => {
+                codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
+                    if true {
+                        panic!("the handler was asked to panic");
+                    }
+                    Ok(Response::new(Bytes::new()))
+                })
+            }
+            "Count" => codegen::server_streaming::<BytesCodec, _, _, _>(
+                call,
+                move |request: Request<Bytes>| async move {
+                    let body = request.into_inner();
+                    let (n, size) = (u32_at(&body, 0), u32_at(&body, 4));
+                    let stream = futures::stream::iter(0..n).map(move |i| {
+                        probes.produced.fetch_add(1, Ordering::SeqCst);
+                        Ok(count_message(i, size))
+                    });
+                    Ok(Response::new(stream))
+                },
+            ),
+            "Sum" => codegen::client_streaming::<BytesCodec, _, _>(
+                call,
+                |request: Request<Streaming<Bytes>>| async move {
+                    let mut stream = request.into_inner();
+                    let (mut messages, mut bytes) = (0u64, 0u64);
+                    while let Some(message) = stream.message().await? {
+                        messages += 1;
+                        bytes += message.len() as u64;
+                    }
+                    let mut reply = messages.to_le_bytes().to_vec();
+                    reply.extend_from_slice(&bytes.to_le_bytes());
+                    Ok(Response::new(Bytes::from(reply)))
+                },
+            ),
+            "Hold" => codegen::client_streaming::<BytesCodec, _, _>(
+                call,
+                |request: Request<Streaming<Bytes>>| async move {
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    let mut stream = request.into_inner();
+                    let mut messages = 0u64;
+                    while stream.message().await?.is_some() {
+                        messages += 1;
+                    }
+                    Ok(Response::new(Bytes::from(messages.to_le_bytes().to_vec())))
+                },
+            ),
+            "Chat" => codegen::streaming::<BytesCodec, _, _, _>(
+                call,
+                |request: Request<Streaming<Bytes>>| async move {
+                    let replies = request
+                        .into_inner()
+                        .map(|m| m.map(|b| Bytes::from([&b[..], b"!"].concat())));
+                    Ok(Response::new(replies))
+                },
+            ),
             _ => codegen::unimplemented(call),
         }
     }
@@ -140,7 +166,10 @@ pub struct TestServer {
 
 impl TestServer {
     /// Starts `TestService` on `address` (port 0 / any free name) with `configure` applied.
-    pub async fn start(address: &str, configure: impl FnOnce(ServerBuilder) -> ServerBuilder) -> TestServer {
+    pub async fn start(
+        address: &str,
+        configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+    ) -> TestServer {
         let service = TestService::default();
         let probes = Arc::clone(&service.probes);
         let server = configure(rpc_core::Server::builder().add_service(service))
@@ -152,7 +181,12 @@ impl TestServer {
         let task = tokio::spawn(server.serve_with_shutdown(async {
             let _ = rx.await;
         }));
-        TestServer { address, probes, shutdown: Some(tx), task }
+        TestServer {
+            address,
+            probes,
+            shutdown: Some(tx),
+            task,
+        }
     }
 
     /// Graceful shutdown; waits until the server has drained.
@@ -171,7 +205,11 @@ impl TestServer {
 /// A unique `mem://` address.
 pub fn mem_address() -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    format!("mem://test-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "mem://test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Polls `condition` every 10 ms until it holds or `within` passes.

@@ -1,0 +1,40 @@
+//! Example programs for rdma-rpc, one `[[bin]]` each (`src/bin/`), and what they share.
+//!
+//! Every program takes `--addr scheme://host:port`; the scheme picks the
+//! transport (`tcp://`, `rdma://`), nothing else changes.
+
+/// The greeter service, generated from `proto/helloworld.proto`.
+pub mod helloworld {
+    rpc_core::include_proto!("helloworld");
+}
+
+/// Installs every transport this build has, so any address scheme works.
+pub fn install_transports() {
+    transport_tcp::install();
+}
+
+/// The value of `--addr`, or `default`; exits with a usage message on bad arguments.
+pub fn addr_arg(program: &str, default: &str) -> String {
+    let mut args = std::env::args().skip(1);
+    let mut addr = default.to_string();
+    while let Some(arg) = args.next() {
+        match (arg.as_str(), args.next()) {
+            ("--addr", Some(value)) => addr = value,
+            _ => {
+                eprintln!("usage: {program} [--addr scheme://host:port]   (default {default})");
+                std::process::exit(2);
+            }
+        }
+    }
+    addr
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}

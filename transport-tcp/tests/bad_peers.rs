@@ -1,0 +1,203 @@
+//! Peers that break the protocol, at the byte level: the offending
+//! connection is closed with a reason, everything else keeps working.
+
+#[path = "../../rpc-core/tests/support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
+use rpc_core::{BytesCodec, Channel, Client, Code, MetadataMap, Request};
+use support::TestServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+async fn start() -> (TestServer, Client, String) {
+    transport_tcp::install();
+    let server = TestServer::start("tcp://127.0.0.1:0", |b| b.max_message_size(1 << 20)).await;
+    let client = Client::new(Channel::connect(&server.address).await.unwrap());
+    let authority = server.address.strip_prefix("tcp://").unwrap().to_string();
+    (server, client, authority)
+}
+
+async fn echo_works(client: &Client) {
+    let reply = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"alive")),
+        )
+        .await;
+    assert_eq!(
+        reply
+            .expect("a well-behaved client is unaffected")
+            .into_inner(),
+        "alive"
+    );
+}
+
+async fn read_frame(socket: &mut TcpStream) -> Option<Frame> {
+    let mut len = [0u8; 4];
+    socket.read_exact(&mut len).await.ok()?;
+    let mut frame = vec![0u8; u32::from_le_bytes(len) as usize];
+    socket.read_exact(&mut frame).await.ok()?;
+    Some(Frame::decode(frame.into()).expect("the server sends valid frames"))
+}
+
+/// Reads frames until the server closes; returns the GoAway status it sent, if any.
+async fn read_until_closed(socket: &mut TcpStream) -> Option<rpc_core::Status> {
+    let mut goaway = None;
+    let read = async {
+        while let Some(frame) = read_frame(socket).await {
+            if let FrameBody::GoAway(status) = frame.body {
+                goaway = Some(status);
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .expect("the server closed the connection");
+    goaway
+}
+
+fn with_prefix(frame: &[u8]) -> Vec<u8> {
+    let mut bytes = (frame.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(frame);
+    bytes
+}
+
+#[tokio::test]
+async fn malformed_frame_closes_only_that_connection() {
+    let (server, client, authority) = start().await;
+    let mut raw = TcpStream::connect(&authority).await.unwrap();
+    raw.write_all(&with_prefix(b"not a frame at all, just bytes"))
+        .await
+        .unwrap();
+    let status = read_until_closed(&mut raw)
+        .await
+        .expect("a GoAway says why");
+    assert_eq!(status.code(), Code::Internal);
+    assert!(status.message().contains("malformed frame"), "{status}");
+    echo_works(&client).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_protocol_version_is_refused_by_name() {
+    let (server, client, authority) = start().await;
+    let metadata = MetadataMap::new();
+    let body = OutBody::Request {
+        method: "/test.Test/Echo",
+        timeout: None,
+        metadata: &metadata,
+    };
+    let mut frame = OutFrame::new(1, body, None, true)
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    frame[0] = 9;
+    let mut raw = TcpStream::connect(&authority).await.unwrap();
+    raw.write_all(&with_prefix(&frame)).await.unwrap();
+    let status = read_until_closed(&mut raw)
+        .await
+        .expect("a GoAway says why");
+    assert!(status.message().contains("version 9"), "{status}");
+    echo_works(&client).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn frame_far_over_the_limit_closes_the_connection() {
+    let (server, client, authority) = start().await;
+    let mut raw = TcpStream::connect(&authority).await.unwrap();
+    // 100 MiB announced against a 1 MiB limit: not skipped, refused.
+    raw.write_all(&(100u32 << 20).to_le_bytes()).await.unwrap();
+    let status = read_until_closed(&mut raw)
+        .await
+        .expect("a GoAway says why");
+    assert!(status.message().contains("over the limit"), "{status}");
+    echo_works(&client).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_request_is_skipped_and_the_same_connection_goes_on() {
+    let (server, _client, authority) = start().await;
+    let mut raw = TcpStream::connect(&authority).await.unwrap();
+    let metadata = MetadataMap::new();
+    let big = Bytes::from(vec![1u8; 2 << 20]);
+    let small = Bytes::from_static(b"small");
+    for (id, payload) in [(1u64, &big), (2, &small)] {
+        let body = OutBody::Request {
+            method: "/test.Test/Echo",
+            timeout: None,
+            metadata: &metadata,
+        };
+        let frame = OutFrame::new(id, body, Some(payload), true)
+            .unwrap()
+            .to_bytes();
+        raw.write_all(&with_prefix(&frame)).await.unwrap();
+    }
+    let mut replies = vec![
+        read_frame(&mut raw).await.unwrap(),
+        read_frame(&mut raw).await.unwrap(),
+    ];
+    replies.sort_by_key(|f| f.call_id);
+    let FrameBody::Status(first) = &replies[0].body else {
+        panic!("{:?}", replies[0])
+    };
+    assert_eq!(first.code(), Code::ResourceExhausted);
+    let FrameBody::Status(second) = &replies[1].body else {
+        panic!("{:?}", replies[1])
+    };
+    assert!(second.is_ok(), "{second}");
+    assert_eq!(replies[1].payload.as_deref(), Some(&b"small"[..]));
+    server.stop().await;
+}
+
+/// A fake server that reads one request, answers with `reply` bytes, then hangs up.
+async fn fake_server(reply: Vec<u8>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut len = [0u8; 4];
+        socket.read_exact(&mut len).await.unwrap();
+        let mut request = vec![0u8; u32::from_le_bytes(len) as usize];
+        socket.read_exact(&mut request).await.unwrap();
+        socket.write_all(&reply).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    });
+    address
+}
+
+#[tokio::test]
+async fn server_sending_garbage_fails_the_call_promptly() {
+    transport_tcp::install();
+    let address = fake_server(with_prefix(b"garbage garbage garbage!")).await;
+    let client = Client::new(Channel::connect(&address).await.unwrap());
+    let call =
+        client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")));
+    let status = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("no hang")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status}");
+    assert!(status.message().contains("malformed frame"), "{status}");
+}
+
+#[tokio::test]
+async fn server_dying_inside_a_frame_fails_the_call_with_unavailable() {
+    transport_tcp::install();
+    let mut half = 1000u32.to_le_bytes().to_vec();
+    half.extend_from_slice(&[1, 3, 0, 0]);
+    let address = fake_server(half).await;
+    let client = Client::new(Channel::connect(&address).await.unwrap());
+    let call =
+        client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")));
+    let status = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("no hang")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+}
