@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -471,7 +471,7 @@ impl ClientConn {
     fn send_cancel(&self, id: u64) {
         let frame = OutFrame::control(id, OutBody::Cancel, false);
         let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-        if let Poll::Pending = self.sink.poll_send(&mut cx, &frame) {
+        if self.sink.poll_send(&mut cx, &frame).is_pending() {
             // No room right now: send it from a task rather than lose it.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let sink = Arc::clone(&self.sink);

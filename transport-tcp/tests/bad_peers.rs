@@ -138,7 +138,7 @@ async fn oversized_request_is_skipped_and_the_same_connection_goes_on() {
             .to_bytes();
         raw.write_all(&with_prefix(&frame)).await.unwrap();
     }
-    let mut replies = vec![
+    let mut replies = [
         read_frame(&mut raw).await.unwrap(),
         read_frame(&mut raw).await.unwrap(),
     ];

@@ -97,7 +97,26 @@ fn test() -> Result<(), String> {
     setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
     cargo(&["test", "--workspace", "--all-targets"])?;
     cargo(&["test", "--workspace", "--doc"])?;
+    codegen_consumer_tests()?;
     rxe::run_rdma_tests()?;
+    Ok(())
+}
+
+/// Builds and tests `rpc-codegen/tests/consumer`, a crate outside the workspace
+/// (like a user's) whose `build.rs` runs `rpc_codegen::compile_protos` on
+/// awkward real-world protos, with deny-level lints on the generated code.
+fn codegen_consumer_tests() -> Result<(), String> {
+    let root = workspace_root();
+    let manifest = root.join("rpc-codegen/tests/consumer/Cargo.toml");
+    let manifest = manifest.to_str().expect("UTF-8 path");
+    // Its own target directory: a nested cargo must not wait on the workspace's build lock.
+    let target = root.join("target/consumer");
+    for args in [
+        &["test", "--manifest-path", manifest][..],
+        &["clippy", "--all-targets", "--manifest-path", manifest, "--", "-D", "warnings"][..],
+    ] {
+        run(Command::new(env_cargo()).args(args).env("CARGO_TARGET_DIR", &target).current_dir(&root))?;
+    }
     Ok(())
 }
 
