@@ -323,7 +323,8 @@ impl ServerConn {
                     return Err(format!("call id {id:#x} reused while its call is open"));
                 }
                 if draining {
-                    self.send_final(id, &Status::unavailable("server is shutting down")).await;
+                    self.send_final(id, &Status::unavailable("server is shutting down"))
+                        .await;
                     return Ok(());
                 }
                 if let Some(len) = frame

@@ -113,9 +113,20 @@ fn codegen_consumer_tests() -> Result<(), String> {
     let target = root.join("target/consumer");
     for args in [
         &["test", "--manifest-path", manifest][..],
-        &["clippy", "--all-targets", "--manifest-path", manifest, "--", "-D", "warnings"][..],
+        &[
+            "clippy",
+            "--all-targets",
+            "--manifest-path",
+            manifest,
+            "--",
+            "-D",
+            "warnings",
+        ][..],
     ] {
-        run(Command::new(env_cargo()).args(args).env("CARGO_TARGET_DIR", &target).current_dir(&root))?;
+        run(Command::new(env_cargo())
+            .args(args)
+            .env("CARGO_TARGET_DIR", &target)
+            .current_dir(&root))?;
     }
     Ok(())
 }
