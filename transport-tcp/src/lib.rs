@@ -20,6 +20,10 @@
 //! Frames over the connection's limit are dropped as they arrive, never
 //! buffered, and reported as [`TransportError::Oversized`].
 //!
+//! # Dead peers
+//! Keepalive probes and `TCP_USER_TIMEOUT` fail a connection whose peer went
+//! silent within [`TcpTransport::dead_peer_timeout`] (30 s by default).
+//!
 //! # Back-pressure
 //! Senders wait while more than [`TcpTransport::write_high_water`] bytes are
 //! queued and unwritten, so a peer that stops reading holds its senders back
@@ -30,6 +34,7 @@ use std::mem;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::OutFrame;
@@ -52,17 +57,42 @@ pub fn install() {
 #[derive(Debug, Clone)]
 pub struct TcpTransport {
     write_high_water: usize,
+    dead_peer_timeout: Duration,
 }
 
 impl Default for TcpTransport {
     fn default() -> TcpTransport {
         TcpTransport {
             write_high_water: 1024 * 1024,
+            dead_peer_timeout: Duration::from_secs(30),
         }
     }
 }
 
 impl TcpTransport {
+    /// How long a peer may stay silent before its connection fails (default
+    /// 30 s), so calls to a host that vanished (power loss, cut cable: no FIN,
+    /// no RST) end with `Unavailable` instead of waiting for TCP's defaults,
+    /// which take hours. An idle connection is probed with TCP keepalives;
+    /// data left unacknowledged this long fails it too (`TCP_USER_TIMEOUT`).
+    pub fn dead_peer_timeout(mut self, timeout: Duration) -> TcpTransport {
+        self.dead_peer_timeout = timeout.max(Duration::from_secs(1));
+        self
+    }
+
+    /// `TCP_NODELAY`, keepalive probes and the user timeout, per [`TcpTransport::dead_peer_timeout`].
+    fn configure(&self, stream: &TcpStream) -> io::Result<()> {
+        stream.set_nodelay(true)?;
+        let socket = socket2::SockRef::from(stream);
+        // Idle for a third of the timeout, then 4 probes an eighth apart.
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(self.dead_peer_timeout / 3)
+            .with_interval(self.dead_peer_timeout / 8)
+            .with_retries(4);
+        socket.set_tcp_keepalive(&keepalive)?;
+        socket.set_tcp_user_timeout(Some(self.dead_peer_timeout))
+    }
+
     /// Bytes that may wait unwritten in a connection's buffer before senders
     /// wait (default 1 MiB). A single larger frame is still accepted when the
     /// buffer is empty.
@@ -72,9 +102,8 @@ impl TcpTransport {
     }
 
     fn wrap(&self, stream: TcpStream, limits: FrameLimits) -> Result<Connection, TransportError> {
-        stream
-            .set_nodelay(true)
-            .map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
+        self.configure(&stream)
+            .map_err(|e| TransportError::io("configure the TCP socket", e))?;
         let peer = stream
             .peer_addr()
             .map(|a| format!("tcp://{a}"))
@@ -334,5 +363,33 @@ impl FrameSource for TcpSource {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn sockets_get_nodelay_keepalive_and_user_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let transport = TcpTransport::default().dead_peer_timeout(Duration::from_secs(16));
+        transport.configure(&stream).unwrap();
+        let socket = socket2::SockRef::from(&stream);
+        assert!(stream.nodelay().unwrap());
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), Duration::from_secs(5));
+        assert_eq!(
+            socket.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(2)
+        );
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 4);
+        assert_eq!(
+            socket.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(16))
+        );
     }
 }
