@@ -22,6 +22,7 @@ use crate::frame::{
     peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame, HEAD_LEN,
     MAX_HEADER_LEN,
 };
+use crate::keepalive::{Keepalive, KeepaliveTimer, Tick, DEFAULT_KEEPALIVE};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -109,6 +110,7 @@ struct ChannelConfig {
     stream_window: u32,
     backoff_initial: Duration,
     backoff_max: Duration,
+    keepalive: Option<Keepalive>,
 }
 
 /// Where and how to connect; builds a [`Channel`].
@@ -157,6 +159,7 @@ impl Endpoint {
                 stream_window: DEFAULT_STREAM_WINDOW,
                 backoff_initial: Duration::from_millis(100),
                 backoff_max: Duration::from_secs(10),
+                keepalive: Some(DEFAULT_KEEPALIVE),
             },
         })
     }
@@ -194,6 +197,21 @@ impl Endpoint {
     pub fn reconnect_backoff(mut self, initial: Duration, max: Duration) -> Endpoint {
         self.config.backoff_initial = initial;
         self.config.backoff_max = max.max(initial);
+        self
+    }
+
+    /// After `interval` without a frame from the server, ping it; if nothing
+    /// arrives within `timeout` more, fail the connection and its calls with
+    /// `Unavailable` (defaults 20 s and 20 s). Catches a server host that
+    /// died while calls waited for answers, on any transport.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Endpoint {
+        self.config.keepalive = Some(Keepalive { interval, timeout });
+        self
+    }
+
+    /// No keepalive pings: calls without a deadline may then wait forever on a dead server.
+    pub fn no_keepalive(mut self) -> Endpoint {
+        self.config.keepalive = None;
         self
     }
 
@@ -283,10 +301,7 @@ impl Channel {
         let limits = frame_limits(endpoint.config.max_message_size);
         let connecting = endpoint.transport.connect(&endpoint.authority, limits);
         match tokio::time::timeout(endpoint.config.connect_timeout, connecting).await {
-            Ok(Ok(connection)) => Ok(ClientConn::start(
-                connection,
-                endpoint.config.max_message_size,
-            )),
+            Ok(Ok(connection)) => Ok(ClientConn::start(connection, &endpoint.config)),
             Ok(Err(source)) => Err(ConnectError::Transport {
                 address: endpoint.address.clone(),
                 source,
@@ -389,18 +404,18 @@ fn split_id(id: u64) -> (usize, u32) {
 }
 
 impl ClientConn {
-    fn start(connection: Connection, max_message_size: usize) -> Arc<ClientConn> {
+    fn start(connection: Connection, config: &ChannelConfig) -> Arc<ClientConn> {
         let conn = Arc::new(ClientConn {
             sink: connection.sink,
             peer: connection.peer,
-            max_message_size,
+            max_message_size: config.max_message_size,
             calls: Mutex::new(CallTable {
                 slots: Slab::new(),
                 generation: 0,
                 phase: Phase::Open,
             }),
         });
-        tokio::spawn(Arc::clone(&conn).read_loop(connection.source));
+        tokio::spawn(Arc::clone(&conn).read_loop(connection.source, config.keepalive));
         conn
     }
 
@@ -498,54 +513,32 @@ impl ClientConn {
         }
     }
 
-    async fn read_loop(self: Arc<Self>, mut source: Box<dyn FrameSource>) {
+    async fn read_loop(
+        self: Arc<Self>,
+        mut source: Box<dyn FrameSource>,
+        keepalive: Option<Keepalive>,
+    ) {
+        let mut timer = KeepaliveTimer::new(keepalive);
+        let mut received = 0u64;
         let reason = loop {
-            match source.recv().await {
-                Ok(Some(bytes)) => match Frame::decode(bytes) {
-                    Ok(frame) => {
-                        if let Err(violation) = self.dispatch(frame) {
-                            break Status::internal(format!(
-                                "{} broke the protocol: {violation}",
-                                self.peer
-                            ));
-                        }
+            tokio::select! {
+                result = source.recv() => {
+                    received += 1;
+                    if let Some(reason) = self.handle(result).await {
+                        break reason;
                     }
-                    Err(error) => {
-                        break Status::internal(format!(
-                            "{} sent a malformed frame: {error}",
+                }
+                tick = timer.tick(received), if timer.enabled() => match tick {
+                    Tick::Ping => {
+                        let _ = self.sink.send(&OutFrame::control(0, OutBody::Ping, false)).await;
+                    }
+                    Tick::Dead(silent) => {
+                        break Status::unavailable(format!(
+                            "{} sent nothing for {silent:?}, not even an answer to a ping: connection presumed dead",
                             self.peer
-                        ))
+                        ));
                     }
                 },
-                Ok(None) => {
-                    break Status::unavailable(format!(
-                        "connection to {} closed by the server",
-                        self.peer
-                    ))
-                }
-                Err(TransportError::Oversized { len, prefix, .. }) => match peek_head(&prefix) {
-                    Ok((id, FrameKind::Message | FrameKind::Status)) => {
-                        self.refuse_oversized(id, len)
-                    }
-                    Ok((_, kind)) => {
-                        break Status::internal(format!(
-                            "{} sent a {kind:?} frame of {len} bytes",
-                            self.peer
-                        ))
-                    }
-                    Err(error) => {
-                        break Status::internal(format!(
-                            "{} sent a malformed frame: {error}",
-                            self.peer
-                        ))
-                    }
-                },
-                Err(error) => {
-                    break Status::unavailable(format!(
-                        "connection to {} failed: {error}",
-                        self.peer
-                    ))
-                }
             }
         };
         if reason.code() == crate::Code::Internal {
@@ -555,6 +548,52 @@ impl ClientConn {
         }
         self.fail_all(reason);
         self.sink.close();
+    }
+
+    /// Handles what the reader received; returns why the connection must end, if it must.
+    async fn handle(&self, received: Result<Option<Bytes>, TransportError>) -> Option<Status> {
+        let peer = &self.peer;
+        match received {
+            Ok(Some(bytes)) => match Frame::decode(bytes) {
+                Ok(Frame {
+                    body: FrameBody::Ping,
+                    ..
+                }) => {
+                    let _ = self
+                        .sink
+                        .send(&OutFrame::control(0, OutBody::Pong, false))
+                        .await;
+                    None
+                }
+                Ok(frame) => {
+                    let violation = self.dispatch(frame).err()?;
+                    Some(Status::internal(format!(
+                        "{peer} broke the protocol: {violation}"
+                    )))
+                }
+                Err(error) => Some(Status::internal(format!(
+                    "{peer} sent a malformed frame: {error}"
+                ))),
+            },
+            Ok(None) => Some(Status::unavailable(format!(
+                "connection to {peer} closed by the server"
+            ))),
+            Err(TransportError::Oversized { len, prefix, .. }) => match peek_head(&prefix) {
+                Ok((id, FrameKind::Message | FrameKind::Status)) => {
+                    self.refuse_oversized(id, len);
+                    None
+                }
+                Ok((_, kind)) => Some(Status::internal(format!(
+                    "{peer} sent a {kind:?} frame of {len} bytes"
+                ))),
+                Err(error) => Some(Status::internal(format!(
+                    "{peer} sent a malformed frame: {error}"
+                ))),
+            },
+            Err(error) => Some(Status::unavailable(format!(
+                "connection to {peer} failed: {error}"
+            ))),
+        }
     }
 
     fn dispatch(&self, frame: Frame) -> Result<(), String> {
@@ -606,7 +645,8 @@ impl ClientConn {
             FrameBody::GoAway(status) => {
                 return Err(format!("server closed the connection: {status}"))
             }
-            FrameBody::Request { .. } | FrameBody::Cancel => {
+            FrameBody::Pong => {}
+            FrameBody::Request { .. } | FrameBody::Cancel | FrameBody::Ping => {
                 return Err(format!(
                     "a server does not send {:?} frames",
                     frame.body.kind()

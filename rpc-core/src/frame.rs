@@ -21,7 +21,7 @@
 //! - `Status`: u32 code, message, metadata (trailers).
 //! - `WindowUpdate`: u32 bytes granted.
 //! - `GoAway`: u32 code, message.
-//! - `Message`, `Cancel`: none.
+//! - `Message`, `Cancel`, `Ping`, `Pong`: none.
 //!
 //! Metadata is a u16 count, then per entry the key and the value.
 //!
@@ -66,6 +66,10 @@ pub enum FrameKind {
     WindowUpdate = 5,
     /// Either way, call id 0: no new calls on this connection (with an error code: the connection is failing).
     GoAway = 6,
+    /// Either way, call id 0: are you there? Answered by `Pong`.
+    Ping = 7,
+    /// Either way, call id 0: the answer to `Ping`.
+    Pong = 8,
 }
 
 impl FrameKind {
@@ -77,6 +81,8 @@ impl FrameKind {
             4 => FrameKind::Cancel,
             5 => FrameKind::WindowUpdate,
             6 => FrameKind::GoAway,
+            7 => FrameKind::Ping,
+            8 => FrameKind::Pong,
             _ => return None,
         })
     }
@@ -168,6 +174,10 @@ pub enum FrameBody {
     WindowUpdate(u32),
     /// See [`FrameKind::GoAway`].
     GoAway(Status),
+    /// See [`FrameKind::Ping`].
+    Ping,
+    /// See [`FrameKind::Pong`].
+    Pong,
 }
 
 impl FrameBody {
@@ -180,6 +190,8 @@ impl FrameBody {
             FrameBody::Cancel => FrameKind::Cancel,
             FrameBody::WindowUpdate(_) => FrameKind::WindowUpdate,
             FrameBody::GoAway(_) => FrameKind::GoAway,
+            FrameBody::Ping => FrameKind::Ping,
+            FrameBody::Pong => FrameKind::Pong,
         }
     }
 }
@@ -260,6 +272,14 @@ impl Frame {
             FrameKind::WindowUpdate => {
                 unexpected(0)?;
                 FrameBody::WindowUpdate(get_u32(&mut fields, "window increment")?)
+            }
+            FrameKind::Ping => {
+                unexpected(0)?;
+                FrameBody::Ping
+            }
+            FrameKind::Pong => {
+                unexpected(0)?;
+                FrameBody::Pong
             }
             FrameKind::GoAway => {
                 unexpected(0)?;
@@ -387,6 +407,10 @@ pub enum OutBody<'a> {
     WindowUpdate(u32),
     /// See [`FrameKind::GoAway`].
     GoAway(&'a Status),
+    /// See [`FrameKind::Ping`].
+    Ping,
+    /// See [`FrameKind::Pong`].
+    Pong,
 }
 
 /// A frame to send: it knows its length up front and encodes straight into
@@ -468,6 +492,8 @@ impl<'a> OutFrame<'a> {
             OutBody::Cancel => FrameKind::Cancel,
             OutBody::WindowUpdate(_) => FrameKind::WindowUpdate,
             OutBody::GoAway(_) => FrameKind::GoAway,
+            OutBody::Ping => FrameKind::Ping,
+            OutBody::Pong => FrameKind::Pong,
         };
         let mut flags = 0;
         if self.end_stream {
@@ -511,7 +537,7 @@ impl<'a> OutFrame<'a> {
                 put_str32(dst, status.message());
             }
             OutBody::WindowUpdate(increment) => dst.put_u32_le(increment),
-            OutBody::Message | OutBody::Cancel => {}
+            OutBody::Message | OutBody::Cancel | OutBody::Ping | OutBody::Pong => {}
         }
         if let Some(payload) = self.payload {
             payload.encode_payload(dst);
@@ -586,7 +612,7 @@ fn header_fields_len(body: &OutBody<'_>) -> usize {
             4 + 4 + truncate_utf8(status.message(), MAX_STATUS_MESSAGE_LEN).len()
         }
         OutBody::WindowUpdate(_) => 4,
-        OutBody::Message | OutBody::Cancel => 0,
+        OutBody::Message | OutBody::Cancel | OutBody::Ping | OutBody::Pong => 0,
     }
 }
 
@@ -658,6 +684,14 @@ mod tests {
             FrameBody::WindowUpdate(65536)
         );
         let bye = Status::unavailable("shutting down");
+        assert_eq!(
+            round_trip(&OutFrame::control(0, OutBody::Ping, false)).body,
+            FrameBody::Ping
+        );
+        assert_eq!(
+            round_trip(&OutFrame::control(0, OutBody::Pong, false)).body,
+            FrameBody::Pong
+        );
         assert_eq!(
             round_trip(&OutFrame::control(0, OutBody::GoAway(&bye), false)).body,
             FrameBody::GoAway(bye)

@@ -50,6 +50,9 @@
 //! - A maximum message size (64 MiB by default): larger messages fail with
 //!   `ResourceExhausted` and the connection stays usable.
 //! - Reconnection with backoff; graceful server shutdown that drains calls.
+//! - Keepalive pings on quiet connections: a peer that went silent (its host
+//!   died, a link was cut) fails its connection's calls with `Unavailable`
+//!   within 40 s by default, on every transport.
 //! - A `tracing` span per call (`rpc.client`, `rpc.server`).
 //!
 //! # Failures
@@ -75,6 +78,7 @@ pub mod transport;
 
 mod client;
 mod flow;
+mod keepalive;
 mod message;
 mod server;
 mod status;

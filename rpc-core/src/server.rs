@@ -22,6 +22,7 @@ use crate::client::{
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::keepalive::{Keepalive, KeepaliveTimer, Tick, DEFAULT_KEEPALIVE};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -76,6 +77,7 @@ impl Server {
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             stream_window: DEFAULT_STREAM_WINDOW,
             shutdown_grace: None,
+            keepalive: Some(DEFAULT_KEEPALIVE),
         }
     }
 }
@@ -86,6 +88,7 @@ pub struct ServerBuilder {
     max_message_size: usize,
     stream_window: u32,
     shutdown_grace: Option<Duration>,
+    keepalive: Option<Keepalive>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -130,6 +133,20 @@ impl ServerBuilder {
         self
     }
 
+    /// After `interval` without a frame from a client, ping it; if nothing
+    /// arrives within `timeout` more, close the connection and cancel its
+    /// handlers (defaults 20 s and 20 s).
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> ServerBuilder {
+        self.keepalive = Some(Keepalive { interval, timeout });
+        self
+    }
+
+    /// No keepalive pings: handlers of a client whose host died run on until they finish.
+    pub fn no_keepalive(mut self) -> ServerBuilder {
+        self.keepalive = None;
+        self
+    }
+
     /// Listens on `address`; [`BoundServer::local_addr`] tells the port chosen for port 0.
     pub async fn bind(self, address: &str) -> Result<BoundServer, ServeError> {
         let (transport, authority) = resolve(address)?;
@@ -147,6 +164,7 @@ impl ServerBuilder {
                 services: self.services,
                 max_message_size: self.max_message_size,
                 stream_window: self.stream_window,
+                keepalive: self.keepalive,
             }),
             shutdown_grace: self.shutdown_grace,
         })
@@ -171,6 +189,7 @@ struct Routes {
     services: HashMap<&'static str, Arc<dyn Service>>,
     max_message_size: usize,
     stream_window: u32,
+    keepalive: Option<Keepalive>,
 }
 
 /// A server listening on an address, not yet serving.
@@ -385,9 +404,44 @@ impl ServerConn {
                 }
             }
             FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
+            FrameBody::Ping => {
+                let _ = self
+                    .sink
+                    .send(&OutFrame::control(0, OutBody::Pong, false))
+                    .await;
+            }
+            FrameBody::Pong => {}
             FrameBody::Status(_) => return Err("a client does not send Status frames".into()),
         }
         Ok(())
+    }
+
+    /// Handles what the reader received: `Ok(true)` to read on, `Ok(false)`
+    /// when the connection ended, `Err` when the client broke the protocol.
+    async fn handle(
+        self: &Arc<Self>,
+        received: Result<Option<Bytes>, TransportError>,
+        draining: bool,
+    ) -> Result<bool, String> {
+        match received {
+            Ok(Some(bytes)) => {
+                let frame = Frame::decode(bytes).map_err(|e| format!("malformed frame: {e}"))?;
+                self.dispatch(frame, draining).await?;
+            }
+            Ok(None) => return Ok(false),
+            Err(TransportError::Oversized { len, prefix, .. }) => {
+                let (id, kind) = peek_head(&prefix).map_err(|e| format!("malformed frame: {e}"))?;
+                self.refuse_oversized(id, kind, len).await?;
+            }
+            Err(error @ (TransportError::FrameTooLarge { .. } | TransportError::Protocol(_))) => {
+                return Err(error.to_string())
+            }
+            Err(error) => {
+                tracing::debug!(peer = %self.peer, "connection failed: {error}");
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Fails the call a too-large request message belongs to; the connection goes on.
@@ -523,39 +577,34 @@ async fn serve_connection(
     let mut source: Box<dyn FrameSource> = connection.source;
     let mut draining = *shutdown.borrow();
     tracing::debug!(peer = %conn.peer, "connection accepted");
+    let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
+    let mut received = 0u64;
     let violation = loop {
         if draining && conn.calls().is_empty() {
             break None;
         }
         tokio::select! {
-            received = source.recv() => match received {
-                Ok(Some(bytes)) => match Frame::decode(bytes) {
-                    Ok(frame) => {
-                        if let Err(violation) = conn.dispatch(frame, draining).await {
-                            break Some(violation);
-                        }
-                    }
-                    Err(error) => break Some(format!("malformed frame: {error}")),
-                },
-                Ok(None) => break None,
-                Err(TransportError::Oversized { len, prefix, .. }) => {
-                    let refused = match peek_head(&prefix) {
-                        Ok((id, kind)) => conn.refuse_oversized(id, kind, len).await,
-                        Err(error) => Err(format!("malformed frame: {error}")),
-                    };
-                    if let Err(violation) = refused {
-                        break Some(violation);
-                    }
+            result = source.recv() => {
+                received += 1;
+                match conn.handle(result, draining).await {
+                    Ok(true) => {}
+                    Ok(false) => break None,
+                    Err(violation) => break Some(violation),
                 }
-                Err(error @ (TransportError::FrameTooLarge { .. } | TransportError::Protocol(_))) => break Some(error.to_string()),
-                Err(error) => {
-                    tracing::debug!(peer = %conn.peer, "connection failed: {error}");
+            }
+            tick = timer.tick(received), if timer.enabled() => match tick {
+                Tick::Ping => {
+                    let _ = conn.sink.send(&OutFrame::control(0, OutBody::Ping, false)).await;
+                }
+                Tick::Dead(silent) => {
+                    tracing::info!(peer = %conn.peer, "client sent nothing for {silent:?}, not even a pong: closing");
                     break None;
                 }
             },
             _ = shutdown.changed(), if !draining => {
                 draining = true;
-                let _ = conn.sink.send(&OutFrame::control(0, OutBody::GoAway(&Status::ok("server shutting down")), false)).await;
+                let bye = Status::ok("server shutting down");
+                let _ = conn.sink.send(&OutFrame::control(0, OutBody::GoAway(&bye), false)).await;
             }
             () = conn.idle.notified(), if draining => {}
         }

@@ -50,6 +50,7 @@ on_every_transport!(
     killed_server_fails_pending_calls_and_the_channel_reconnects,
     graceful_shutdown_lets_calls_in_flight_finish,
     empty_and_large_messages_arrive_intact,
+    keepalive_pings_do_not_disturb_a_slow_call,
 );
 
 async fn client_for(server: &TestServer) -> Client {
@@ -507,5 +508,26 @@ async fn empty_and_large_messages_arrive_intact(listen: String) {
             "{size}-byte message changed in transit"
         );
     }
+    server.stop().await;
+}
+
+async fn keepalive_pings_do_not_disturb_a_slow_call(listen: String) {
+    let fast = Duration::from_millis(30);
+    let server = TestServer::start(&listen, |b| b.keepalive(fast, fast)).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .keepalive(fast, fast)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    // Ten keepalive intervals with no call traffic: pings and pongs keep both sides up.
+    let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+    let reply = client
+        .unary::<BytesCodec>("/test.Test/Sleep", request)
+        .await
+        .unwrap();
+    assert_eq!(reply.into_inner(), "slept");
+    assert_eq!(server.probes.cancelled.load(Ordering::SeqCst), 0);
     server.stop().await;
 }

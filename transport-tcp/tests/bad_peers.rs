@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
-use rpc_core::{BytesCodec, Channel, Client, Code, MetadataMap, Request};
+use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, MetadataMap, Request};
 use support::TestServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -200,4 +200,73 @@ async fn server_dying_inside_a_frame_fails_the_call_with_unavailable() {
         .expect("no hang")
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status}");
+}
+
+#[tokio::test]
+async fn server_that_stops_answering_fails_calls_through_keepalive() {
+    transport_tcp::install();
+    // Accepts and reads everything, answers nothing: TCP alone sees a healthy peer.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut sink = vec![0u8; 65536];
+        while socket.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+    });
+    let fast = Duration::from_millis(100);
+    let channel = Endpoint::new(&address)
+        .unwrap()
+        .keepalive(fast, fast)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let started = std::time::Instant::now();
+    let call = client.unary::<BytesCodec>(
+        "/test.Test/Echo",
+        Request::new(Bytes::from_static(b"hello?")),
+    );
+    let status = tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("no hang")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+    assert!(status.message().contains("presumed dead"), "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn client_that_goes_silent_has_its_handlers_cancelled() {
+    transport_tcp::install();
+    let fast = Duration::from_millis(100);
+    let server = TestServer::start("tcp://127.0.0.1:0", |b| b.keepalive(fast, fast)).await;
+    let mut raw = TcpStream::connect(server.address.strip_prefix("tcp://").unwrap())
+        .await
+        .unwrap();
+    let metadata = MetadataMap::new();
+    let ten_seconds = Bytes::from(10_000u32.to_le_bytes().to_vec());
+    let body = OutBody::Request {
+        method: "/test.Test/Sleep",
+        timeout: None,
+        metadata: &metadata,
+    };
+    let frame = OutFrame::new(1, body, Some(&ten_seconds), true)
+        .unwrap()
+        .to_bytes();
+    raw.write_all(&with_prefix(&frame)).await.unwrap();
+    // The raw client never answers pings.
+    let probes = std::sync::Arc::clone(&server.probes);
+    let cancelled = support::eventually(Duration::from_secs(5), || {
+        probes.cancelled.load(std::sync::atomic::Ordering::SeqCst) == 1
+    });
+    assert!(
+        cancelled.await,
+        "the handler of a silent client kept running"
+    );
+    drop(raw);
+    server.stop().await;
 }
