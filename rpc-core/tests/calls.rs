@@ -51,6 +51,7 @@ on_every_transport!(
     graceful_shutdown_lets_calls_in_flight_finish,
     empty_and_large_messages_arrive_intact,
     keepalive_pings_do_not_disturb_a_slow_call,
+    dropping_a_response_stream_stops_the_server_stream,
 );
 
 async fn client_for(server: &TestServer) -> Client {
@@ -530,4 +531,49 @@ async fn keepalive_pings_do_not_disturb_a_slow_call(listen: String) {
     assert_eq!(reply.into_inner(), "slept");
     assert_eq!(server.probes.cancelled.load(Ordering::SeqCst), 0);
     server.stop().await;
+}
+
+async fn dropping_a_response_stream_stops_the_server_stream(listen: String) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .stream_window(1 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let size = 64 * 1024;
+    let mut stream = client
+        .server_streaming::<BytesCodec>(
+            "/test.Test/Count",
+            Request::new(count_request(100_000, size)),
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap(),
+        Some(count_message(0, size))
+    );
+    drop(stream); // cancels the call
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let produced = server.probes.produced.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        server.probes.produced.load(Ordering::SeqCst),
+        produced,
+        "the server kept streaming after the client left"
+    );
+    assert!(
+        produced < 100,
+        "{produced} messages produced for a reader that took one"
+    );
+    // The channel is still good, and the server has no call left open: it drains at once.
+    client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"x")))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server.stop())
+        .await
+        .expect("no call left behind");
 }
