@@ -78,6 +78,7 @@ impl Server {
             stream_window: DEFAULT_STREAM_WINDOW,
             shutdown_grace: None,
             keepalive: Some(DEFAULT_KEEPALIVE),
+            max_concurrent_calls: None,
         }
     }
 }
@@ -89,6 +90,7 @@ pub struct ServerBuilder {
     stream_window: u32,
     shutdown_grace: Option<Duration>,
     keepalive: Option<Keepalive>,
+    max_concurrent_calls: Option<usize>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -141,6 +143,15 @@ impl ServerBuilder {
         self
     }
 
+    /// At most `calls` calls open at once on one connection (default: no limit).
+    /// Calls over the limit fail at once with `ResourceExhausted`; the client
+    /// may retry. (Reading is never paused instead: open streaming calls need
+    /// their next messages to finish.)
+    pub fn max_concurrent_calls(mut self, calls: usize) -> ServerBuilder {
+        self.max_concurrent_calls = Some(calls);
+        self
+    }
+
     /// No keepalive pings: handlers of a client whose host died run on until they finish.
     pub fn no_keepalive(mut self) -> ServerBuilder {
         self.keepalive = None;
@@ -165,6 +176,7 @@ impl ServerBuilder {
                 max_message_size: self.max_message_size,
                 stream_window: self.stream_window,
                 keepalive: self.keepalive,
+                max_concurrent_calls: self.max_concurrent_calls,
             }),
             shutdown_grace: self.shutdown_grace,
         })
@@ -190,6 +202,7 @@ struct Routes {
     max_message_size: usize,
     stream_window: u32,
     keepalive: Option<Keepalive>,
+    max_concurrent_calls: Option<usize>,
 }
 
 /// A server listening on an address, not yet serving.
@@ -338,8 +351,19 @@ impl ServerConn {
                 timeout,
                 metadata,
             } => {
-                if self.calls().contains_key(&id) {
-                    return Err(format!("call id {id:#x} reused while its call is open"));
+                let open = {
+                    let calls = self.calls();
+                    if calls.contains_key(&id) {
+                        return Err(format!("call id {id:#x} reused while its call is open"));
+                    }
+                    calls.len()
+                };
+                if let Some(limit) = self.routes.max_concurrent_calls.filter(|&l| open >= l) {
+                    let status = Status::resource_exhausted(format!(
+                        "{open} calls already open on this connection, the server's limit is {limit}"
+                    ));
+                    self.send_final(id, &status).await;
+                    return Ok(());
                 }
                 if draining {
                     self.send_final(id, &Status::unavailable("server is shutting down"))

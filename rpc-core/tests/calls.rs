@@ -52,6 +52,7 @@ on_every_transport!(
     empty_and_large_messages_arrive_intact,
     keepalive_pings_do_not_disturb_a_slow_call,
     dropping_a_response_stream_stops_the_server_stream,
+    calls_over_the_concurrency_limit_are_refused,
 );
 
 async fn client_for(server: &TestServer) -> Client {
@@ -576,4 +577,44 @@ async fn dropping_a_response_stream_stops_the_server_stream(listen: String) {
     tokio::time::timeout(Duration::from_secs(5), server.stop())
         .await
         .expect("no call left behind");
+}
+
+async fn calls_over_the_concurrency_limit_are_refused(listen: String) {
+    let server = TestServer::start(&listen, |b| b.max_concurrent_calls(2)).await;
+    let client = client_for(&server).await;
+    let sleepers: Vec<_> = (0..2)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+                client
+                    .unary::<BytesCodec>("/test.Test/Sleep", request)
+                    .await
+            })
+        })
+        .collect();
+    let probes = std::sync::Arc::clone(&server.probes);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 2)
+        .await
+    );
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    for sleeper in sleepers {
+        assert_eq!(sleeper.await.unwrap().unwrap().into_inner(), "slept");
+    }
+    let reply = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"room again")),
+        )
+        .await;
+    assert_eq!(reply.unwrap().into_inner(), "room again");
+    server.stop().await;
 }
