@@ -3,6 +3,8 @@
 //! this file to run the same calls over their own addresses.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod cases;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,621 @@
+//! The runtime's integration cases, each an `async fn(listen_address, &Profile)`:
+//! every call kind and every failure a caller can see. Each transport's
+//! suite runs them on its own addresses (`rpc-core/tests/calls.rs` for
+//! `mem://` and `tcp://`, `transport-rdma/tests/rpc_calls.rs` for `rdma://`).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
+
+use super::{count_message, count_request, eventually, TestServer};
+
+/// What a transport's suite adapts: load and message sizes.
+pub struct Profile {
+    /// Concurrent unary calls on one channel.
+    pub concurrent_calls: u32,
+    /// Payloads sent and checked byte for byte: around the transport's thresholds.
+    pub payload_sizes: Vec<usize>,
+}
+
+impl Profile {
+    /// For transports without thresholds of their own (`mem://`, `tcp://`).
+    pub fn standard() -> Profile {
+        Profile {
+            concurrent_calls: 10_000,
+            payload_sizes: vec![
+                0,
+                1,
+                4095,
+                4096,
+                4097,
+                65_535,
+                65_536,
+                65_537,
+                1 << 20,
+                16 << 20,
+                (64 << 20) - 64,
+            ],
+        }
+    }
+}
+
+async fn client_for(server: &TestServer) -> Client {
+    Client::new(Channel::connect(&server.address).await.expect("connects"))
+}
+
+pub async fn unary_round_trips_message_and_metadata(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let mut request = Request::new(Bytes::from_static(b"ping"));
+    request.metadata_mut().insert("x-echo", "trace-7");
+    let response = client
+        .unary::<BytesCodec>("/test.Test/Echo", request)
+        .await
+        .unwrap();
+    assert_eq!(response.metadata().get_str("x-echo"), Some("trace-7"));
+    assert_eq!(response.into_inner(), "ping");
+    server.stop().await;
+}
+
+pub async fn handler_errors_arrive_with_code_message_and_trailers(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Fail", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    assert_eq!(status.message(), "nothing here");
+    assert_eq!(status.metadata().get_str("x-reason"), Some("test"));
+    server.stop().await;
+}
+
+pub async fn server_streaming_delivers_every_message_in_order(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let response = client
+        .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(count_request(500, 100)))
+        .await
+        .unwrap();
+    let mut stream = response.into_inner();
+    for i in 0..500 {
+        assert_eq!(
+            stream.message().await.unwrap(),
+            Some(count_message(i, 100)),
+            "message {i}"
+        );
+    }
+    assert_eq!(stream.message().await.unwrap(), None);
+    assert!(
+        stream.trailers().is_some(),
+        "a finished stream has the server's trailers"
+    );
+    server.stop().await;
+}
+
+pub async fn client_streaming_sums_every_message(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let messages = futures::stream::iter((0..300u32).map(|i| Bytes::from(vec![1u8; i as usize])));
+    let reply = client
+        .client_streaming::<BytesCodec, _>("/test.Test/Sum", Request::new(messages))
+        .await
+        .unwrap();
+    let reply = reply.into_inner();
+    assert_eq!(u64::from_le_bytes(reply[..8].try_into().unwrap()), 300);
+    assert_eq!(
+        u64::from_le_bytes(reply[8..].try_into().unwrap()),
+        (0..300u64).sum::<u64>()
+    );
+    server.stop().await;
+}
+
+pub async fn bidi_streaming_answers_each_message(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let outgoing =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let mut replies = client
+        .streaming::<BytesCodec, _>("/test.Test/Chat", Request::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    for i in 0..50 {
+        // Lock-step: each reply arrives before the next message is sent.
+        tx.send(Bytes::from(format!("m{i}"))).unwrap();
+        assert_eq!(replies.message().await.unwrap().unwrap(), format!("m{i}!"));
+    }
+    drop(tx);
+    assert_eq!(replies.message().await.unwrap(), None);
+    server.stop().await;
+}
+
+pub async fn thousands_of_concurrent_calls_on_one_channel_none_mixed_up(
+    listen: String,
+    profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let calls = (0..profile.concurrent_calls).map(|i| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let body = Bytes::from(format!("call-{i}-{}", "x".repeat((i % 97) as usize)));
+            let reply = client
+                .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+                .await
+                .unwrap();
+            assert_eq!(
+                reply.into_inner(),
+                body,
+                "call {i} got another call's reply"
+            );
+        })
+    });
+    let results = futures::future::join_all(calls).await;
+    assert_eq!(
+        results.into_iter().filter(Result::is_ok).count(),
+        profile.concurrent_calls as usize
+    );
+    server.stop().await;
+}
+
+pub async fn deadline_fails_the_call_and_cancels_the_handler(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let mut request = Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec()));
+    request.set_timeout(Duration::from_millis(200));
+    let started = Instant::now();
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Sleep", request)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    let probes = &server.probes;
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the handler was not cancelled"
+    );
+    // The connection is still good.
+    client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"after")),
+        )
+        .await
+        .unwrap();
+    server.stop().await;
+}
+
+pub async fn dropping_the_call_cancels_the_handler(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let call = client.unary::<BytesCodec>(
+        "/test.Test/Sleep",
+        Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
+    );
+    let probes = &server.probes;
+    tokio::select! {
+        _ = call => panic!("a 10 s call finished"),
+        _ = eventually(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == 1) => {}
+    }
+    // The call future is dropped here.
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the handler kept running after the caller went away"
+    );
+    server.stop().await;
+}
+
+pub async fn unknown_service_and_method_are_unimplemented(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    for path in ["/test.Nope/Echo", "/test.Test/Nope", "no-slashes"] {
+        let status = client
+            .unary::<BytesCodec>(path, Request::new(Bytes::new()))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unimplemented, "{path}: {status}");
+    }
+    server.stop().await;
+}
+
+pub async fn panicking_handler_fails_only_its_call(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Panic", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Internal);
+    assert!(status.message().contains("panicked"), "{status}");
+    let reply = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"still here")),
+        )
+        .await;
+    assert_eq!(reply.unwrap().into_inner(), "still here");
+    server.stop().await;
+}
+
+pub async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_survives(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b.max_message_size(1 << 20)).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .max_message_size(4 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    // Over the client's own limit: refused before sending.
+    let status = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from(vec![0u8; 5 << 20])),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    // Within the client's limit, over the server's: refused by the server.
+    let status = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from(vec![0u8; 2 << 20])),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    // A response over the client's limit.
+    let small = Client::new(
+        Endpoint::new(&server.address)
+            .unwrap()
+            .max_message_size(1000)
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let mut stream = small
+        .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(count_request(1, 2000)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    // Both connections still carry calls.
+    for client in [&client, &small] {
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"ok")))
+            .await;
+        assert_eq!(reply.unwrap().into_inner(), "ok");
+    }
+    server.stop().await;
+}
+
+pub async fn slow_reader_holds_back_a_streaming_server(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .stream_window(1 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let size = 64 * 1024;
+    let mut stream = client
+        .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(count_request(1000, size)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap(),
+        Some(count_message(0, size))
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 1 MiB of window at 64 KiB a message, plus the message being sent: far fewer than 1000.
+    let produced = server.probes.produced.load(Ordering::SeqCst);
+    assert!(
+        produced <= 20,
+        "the server ran {produced} messages ahead of a stalled reader"
+    );
+    let mut received = 1;
+    while let Some(message) = stream.message().await.unwrap() {
+        assert_eq!(message, count_message(received, size));
+        received += 1;
+    }
+    assert_eq!(received, 1000);
+    server.stop().await;
+}
+
+pub async fn slow_handler_holds_back_a_streaming_client(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b.stream_window(1 << 20)).await;
+    let client = client_for(&server).await;
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&sent);
+    let messages = futures::stream::iter(0..200).map(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Bytes::from(vec![7u8; 64 * 1024])
+    });
+    let call = tokio::spawn(async move {
+        client
+            .client_streaming::<BytesCodec, _>("/test.Test/Hold", Request::new(messages))
+            .await
+    });
+    // The handler sleeps 400 ms before reading; meanwhile the client may only fill the window.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let ahead = sent.load(Ordering::SeqCst);
+    assert!(
+        ahead <= 20,
+        "the client sent {ahead} messages into a handler that reads none"
+    );
+    let reply = call.await.unwrap().unwrap().into_inner();
+    assert_eq!(u64::from_le_bytes(reply[..8].try_into().unwrap()), 200);
+    server.stop().await;
+}
+
+pub async fn killed_server_fails_pending_calls_and_the_channel_reconnects(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let address = server.address.clone();
+    let channel = Endpoint::new(&address)
+        .unwrap()
+        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let pending: Vec<_> = (0..20)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .unary::<BytesCodec>(
+                        "/test.Test/Sleep",
+                        Request::new(Bytes::from(30_000u32.to_le_bytes().to_vec())),
+                    )
+                    .await
+            })
+        })
+        .collect();
+    let probes = std::sync::Arc::clone(&server.probes);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 20)
+        .await
+    );
+    let killed = Instant::now();
+    server.kill().await;
+    for call in pending {
+        let status = call.await.unwrap().unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status}");
+    }
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "pending calls took {:?} to fail",
+        killed.elapsed()
+    );
+    // While nothing listens, calls fail fast with Unavailable.
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+    // A new server on the same address: the same channel reconnects.
+    let again = TestServer::start(&address, |b| b).await;
+    let mut reply = None;
+    for _ in 0..100 {
+        match client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"back")))
+            .await
+        {
+            Ok(r) => {
+                reply = Some(r.into_inner());
+                break;
+            }
+            Err(status) => {
+                assert_eq!(status.code(), Code::Unavailable, "{status}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    assert_eq!(reply.as_deref(), Some(&b"back"[..]));
+    again.stop().await;
+}
+
+pub async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let in_flight = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .unary::<BytesCodec>(
+                    "/test.Test/Sleep",
+                    Request::new(Bytes::from(300u32.to_le_bytes().to_vec())),
+                )
+                .await
+        })
+    };
+    let probes = std::sync::Arc::clone(&server.probes);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    server.stop().await; // returns once drained
+    assert_eq!(in_flight.await.unwrap().unwrap().into_inner(), "slept");
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+}
+
+pub async fn empty_and_large_messages_arrive_intact(listen: String, profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    for &size in &profile.payload_sizes {
+        let body: Bytes = (0..size)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect::<Vec<u8>>()
+            .into();
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+            .await
+            .unwrap();
+        assert!(
+            reply.get_ref() == &body,
+            "{size}-byte message changed in transit"
+        );
+    }
+    server.stop().await;
+}
+
+pub async fn keepalive_pings_do_not_disturb_a_slow_call(listen: String, _profile: &Profile) {
+    let fast = Duration::from_millis(30);
+    let server = TestServer::start(&listen, |b| b.keepalive(fast, fast)).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .keepalive(fast, fast)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    // Ten keepalive intervals with no call traffic: pings and pongs keep both sides up.
+    let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+    let reply = client
+        .unary::<BytesCodec>("/test.Test/Sleep", request)
+        .await
+        .unwrap();
+    assert_eq!(reply.into_inner(), "slept");
+    assert_eq!(server.probes.cancelled.load(Ordering::SeqCst), 0);
+    server.stop().await;
+}
+
+pub async fn dropping_a_response_stream_stops_the_server_stream(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let channel = Endpoint::new(&server.address)
+        .unwrap()
+        .stream_window(1 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let size = 64 * 1024;
+    let mut stream = client
+        .server_streaming::<BytesCodec>(
+            "/test.Test/Count",
+            Request::new(count_request(100_000, size)),
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap(),
+        Some(count_message(0, size))
+    );
+    drop(stream); // cancels the call
+                  // The cancel takes a transport-dependent time to arrive: wait until the
+                  // server has stopped producing, then make sure it stays stopped.
+    let mut last = usize::MAX;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = server.probes.produced.load(Ordering::SeqCst);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let produced = server.probes.produced.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        server.probes.produced.load(Ordering::SeqCst),
+        produced,
+        "the server kept streaming after the client left"
+    );
+    assert!(
+        produced < 100,
+        "{produced} messages produced for a reader that took one"
+    );
+    // The channel is still good, and the server has no call left open: it drains at once.
+    client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"x")))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server.stop())
+        .await
+        .expect("no call left behind");
+}
+
+pub async fn calls_over_the_concurrency_limit_are_refused(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b.max_concurrent_calls(2)).await;
+    let client = client_for(&server).await;
+    let sleepers: Vec<_> = (0..2)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+                client
+                    .unary::<BytesCodec>("/test.Test/Sleep", request)
+                    .await
+            })
+        })
+        .collect();
+    let probes = std::sync::Arc::clone(&server.probes);
+    assert!(
+        eventually(Duration::from_secs(5), || probes
+            .sleeping
+            .load(Ordering::SeqCst)
+            == 2)
+        .await
+    );
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    for sleeper in sleepers {
+        assert_eq!(sleeper.await.unwrap().unwrap().into_inner(), "slept");
+    }
+    let reply = client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"room again")),
+        )
+        .await;
+    assert_eq!(reply.unwrap().into_inner(), "room again");
+    server.stop().await;
+}
