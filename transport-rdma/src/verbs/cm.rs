@@ -3,7 +3,7 @@
 use std::ffi::CStr;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::ptr::{self, NonNull};
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
@@ -18,9 +18,45 @@ pub struct EventChannel {
     raw: NonNull<ffi::rdma_event_channel>,
 }
 
+// SAFETY: librdmacm calls on a channel are thread-safe; the value only
+// holds the pointer, freed once in Drop.
+unsafe impl Send for EventChannel {}
+// SAFETY: as for Send: every method goes through thread-safe librdmacm calls.
+unsafe impl Sync for EventChannel {}
+
+/// A connection manager event, as [`EventChannel::try_event`] returns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CmEvent {
+    /// `rdma_cm_event_type` (e.g. `RDMA_CM_EVENT_DISCONNECTED`).
+    pub kind: u32,
+    /// The event's status.
+    pub status: i32,
+}
+
+impl CmEvent {
+    /// True for the events that end a connection (disconnected, device
+    /// removal, connection error, unreachable, rejected, timewait exit).
+    pub fn ends_connection(&self) -> bool {
+        matches!(
+            self.kind,
+            event::RDMA_CM_EVENT_DISCONNECTED
+                | event::RDMA_CM_EVENT_DEVICE_REMOVAL
+                | event::RDMA_CM_EVENT_CONNECT_ERROR
+                | event::RDMA_CM_EVENT_UNREACHABLE
+                | event::RDMA_CM_EVENT_REJECTED
+                | event::RDMA_CM_EVENT_ADDR_CHANGE
+        )
+    }
+
+    /// The event's name, as `rdma_event_str` gives it.
+    pub fn name(&self) -> String {
+        event_str(self.kind)
+    }
+}
+
 impl EventChannel {
     /// Creates a channel (`rdma_create_event_channel`).
-    pub fn new() -> Result<Rc<Self>> {
+    pub fn new() -> Result<Arc<Self>> {
         // SAFETY: no arguments; the result is checked for NULL.
         let raw = unsafe { ffi::rdma_create_event_channel() };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateEventChannel(last_os_error()))?;
@@ -35,12 +71,44 @@ impl EventChannel {
         if !ok {
             return Err(Error::CreateEventChannel(last_os_error()));
         }
-        Ok(Rc::new(channel))
+        Ok(Arc::new(channel))
     }
 
-    fn fd(&self) -> libc::c_int {
+    /// The channel's (non-blocking) file descriptor, readable when an
+    /// event is waiting: register it with an event loop.
+    pub fn fd(&self) -> libc::c_int {
         // SAFETY: `raw` points to the live channel this value owns.
         unsafe { self.raw.as_ref().fd }
+    }
+
+    /// Takes the next event without waiting, if there is one.
+    pub fn try_event(&self) -> Result<Option<CmEvent>> {
+        Ok(self.try_next()?.map(|e| CmEvent {
+            kind: e.kind,
+            status: e.status,
+        }))
+    }
+
+    fn try_next(&self) -> Result<Option<Event>> {
+        let mut raw: *mut ffi::rdma_cm_event = ptr::null_mut();
+        // SAFETY: the channel is live; `raw` is a valid out-pointer. The
+        // descriptor is non-blocking, so this returns at once.
+        let ret = unsafe { ffi::rdma_get_cm_event(self.raw.as_ptr(), &mut raw) };
+        if ret == 0 {
+            // SAFETY: on success `raw` points to an event that stays valid
+            // until it is acknowledged below.
+            let event = unsafe { Event::copy_from(&*raw) };
+            // SAFETY: `raw` came from rdma_get_cm_event and is acknowledged
+            // once; nothing refers to it afterwards.
+            unsafe { ffi::rdma_ack_cm_event(raw) };
+            return Ok(Some(event));
+        }
+        let err = last_os_error();
+        if err.kind() == std::io::ErrorKind::WouldBlock {
+            Ok(None)
+        } else {
+            Err(Error::GetCmEvent(err))
+        }
     }
 
     /// Waits up to `timeout` for the next event, copies what the callers
@@ -105,7 +173,7 @@ impl EventChannel {
 
 impl Drop for EventChannel {
     fn drop(&mut self) {
-        // SAFETY: every `cm_id` on this channel holds an `Rc` to it, so none
+        // SAFETY: every `cm_id` on this channel holds an `Arc` to it, so none
         // is left; the channel is destroyed once.
         unsafe { ffi::rdma_destroy_event_channel(self.raw.as_ptr()) };
     }
@@ -167,13 +235,19 @@ impl Event {
 /// carries its accepted connections' events).
 #[derive(Clone)]
 pub struct CmId {
-    inner: Rc<CmIdInner>,
+    inner: Arc<CmIdInner>,
 }
 
 struct CmIdInner {
     raw: NonNull<ffi::rdma_cm_id>,
-    channel: Rc<EventChannel>,
+    channel: Arc<EventChannel>,
 }
+
+// SAFETY: librdmacm calls on an id are thread-safe; the value only holds
+// the pointer (destroyed once in Drop) and an `Arc` of a Send + Sync channel.
+unsafe impl Send for CmIdInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for CmIdInner {}
 
 impl Drop for CmIdInner {
     fn drop(&mut self) {
@@ -194,7 +268,7 @@ pub struct ConnectRequest {
 
 impl CmId {
     /// Creates a `cm_id` on `channel` (`rdma_create_id`, `RDMA_PS_TCP`).
-    pub fn new(channel: &Rc<EventChannel>) -> Result<Self> {
+    pub fn new(channel: &Arc<EventChannel>) -> Result<Self> {
         let mut raw = ptr::null_mut();
         // SAFETY: the channel is live; `raw` is a valid out-pointer; the
         // context pointer is unused (NULL).
@@ -210,23 +284,95 @@ impl CmId {
             .filter(|_| ret == 0)
             .ok_or_else(|| Error::CreateId(last_os_error()))?;
         Ok(Self {
-            inner: Rc::new(CmIdInner {
+            inner: Arc::new(CmIdInner {
                 raw,
-                channel: Rc::clone(channel),
+                channel: Arc::clone(channel),
             }),
         })
     }
 
     /// Adopts a `cm_id` librdmacm created for a connect request on a
     /// listener of `channel`.
-    fn adopt(raw: *mut ffi::rdma_cm_id, channel: &Rc<EventChannel>) -> Result<Self> {
+    fn adopt(raw: *mut ffi::rdma_cm_id, channel: &Arc<EventChannel>) -> Result<Self> {
         let raw = NonNull::new(raw).ok_or(Error::NoDevice)?;
         Ok(Self {
-            inner: Rc::new(CmIdInner {
+            inner: Arc::new(CmIdInner {
                 raw,
-                channel: Rc::clone(channel),
+                channel: Arc::clone(channel),
             }),
         })
+    }
+
+    /// The event channel this id reports on.
+    pub fn channel(&self) -> &Arc<EventChannel> {
+        &self.inner.channel
+    }
+
+    /// Moves this id's events to `channel` (`rdma_migrate_id`), e.g. an
+    /// accepted connection's away from its listener's channel. Fails with
+    /// [`Error::Shared`] if the id has other clones (or objects made from
+    /// it) yet: do it first.
+    pub fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<()> {
+        let inner = Arc::get_mut(&mut self.inner).ok_or(Error::Shared)?;
+        // SAFETY: the id and both channels are live; no event of the id is
+        // held unacknowledged (events are acknowledged as soon as read).
+        if unsafe { ffi::rdma_migrate_id(inner.raw.as_ptr(), channel.raw.as_ptr()) } != 0 {
+            return Err(Error::MigrateId(last_os_error()));
+        }
+        inner.channel = Arc::clone(channel);
+        Ok(())
+    }
+
+    /// The peer's address, when connected (IPv4 only; `None` otherwise).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the id is live; its route's destination address is a
+        // sockaddr storage at least as large as sockaddr_in, read only when
+        // its family says it is one.
+        unsafe {
+            let sa: *const libc::sockaddr = ffi::rdma_get_peer_addr(self.inner.raw.as_ref());
+            if i32::from((*sa).sa_family) != libc::AF_INET {
+                return None;
+            }
+            let sin = &*sa.cast::<libc::sockaddr_in>();
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                u32::from_be(sin.sin_addr.s_addr).into(),
+                u16::from_be(sin.sin_port),
+            )))
+        }
+    }
+
+    /// The local port (after bind: the one chosen for port 0).
+    pub fn local_port(&self) -> u16 {
+        // SAFETY: the id is live; rdma_get_src_port reads its address.
+        u16::from_be(unsafe { ffi::rdma_get_src_port(self.as_ptr()) })
+    }
+
+    /// Takes a waiting connect request on this listener without blocking;
+    /// other events on the listener's channel are skipped.
+    pub fn try_get_request(&self) -> Result<Option<ConnectRequest>> {
+        while let Some(e) = self.inner.channel.try_next()? {
+            if e.kind == event::RDMA_CM_EVENT_CONNECT_REQUEST {
+                return Ok(Some(ConnectRequest {
+                    id: Self::adopt(e.id, &self.inner.channel)?,
+                    private_data: e.private_data,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Refuses this connect request (`rdma_reject`), with `private_data`
+    /// for the client.
+    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let len = u8::try_from(private_data.len())
+            .map_err(|_| Error::PrivateDataTooLong(private_data.len()))?;
+        // SAFETY: the id is live (from a connect request); the private data
+        // is valid for the call, which copies it.
+        if unsafe { ffi::rdma_reject(self.as_ptr(), private_data.as_ptr().cast(), len) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Reject(last_os_error()))
+        }
     }
 
     pub(crate) fn as_ptr(&self) -> *mut ffi::rdma_cm_id {

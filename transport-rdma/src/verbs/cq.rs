@@ -2,7 +2,7 @@
 
 use std::ffi::CStr;
 use std::ptr::{self, NonNull};
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
@@ -13,17 +13,109 @@ use super::{errno_error, last_os_error, CmId, Error, Result};
 /// yet). Cloning shares the same CQ.
 #[derive(Clone)]
 pub struct CompletionQueue {
-    pub(crate) inner: Rc<CqInner>,
+    pub(crate) inner: Arc<CqInner>,
 }
 
 pub(crate) struct CqInner {
     pub(crate) raw: NonNull<ffi::ibv_cq>,
+    /// The channel it reports to, if any (destroyed after the CQ).
+    _channel: Option<CompletionChannel>,
     /// Keeps the device context alive.
     _id: CmId,
 }
 
+// SAFETY: libibverbs calls on a CQ are thread-safe; the value only holds
+// the pointer (destroyed once in Drop) and Send + Sync handles.
+unsafe impl Send for CqInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for CqInner {}
+
+/// An `ibv_comp_channel`: a file descriptor that becomes readable when an
+/// armed [`CompletionQueue`] gets a completion. Non-blocking. Cloning shares it.
+#[derive(Clone)]
+pub struct CompletionChannel {
+    inner: Arc<CompChannelInner>,
+}
+
+struct CompChannelInner {
+    raw: NonNull<ffi::ibv_comp_channel>,
+    /// Keeps the device context alive.
+    _id: CmId,
+}
+
+// SAFETY: libibverbs calls on a completion channel are thread-safe; the
+// value only holds the pointer (destroyed once in Drop) and a `CmId`.
+unsafe impl Send for CompChannelInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for CompChannelInner {}
+
+impl CompletionChannel {
+    /// Creates a channel on the id's device (`ibv_create_comp_channel`),
+    /// with a non-blocking descriptor.
+    pub fn new(id: &CmId) -> Result<Self> {
+        let verbs = id.verbs()?;
+        // SAFETY: `verbs` is the live context of the id's device.
+        let raw = unsafe { ffi::ibv_create_comp_channel(verbs.as_ptr()) };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCompChannel(last_os_error()))?;
+        let channel = Self {
+            inner: Arc::new(CompChannelInner {
+                raw,
+                _id: id.clone(),
+            }),
+        };
+        let fd = channel.fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL/F_SETFL
+        // only change its status flags.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(Error::CreateCompChannel(last_os_error()));
+        }
+        Ok(channel)
+    }
+
+    /// The descriptor to register with an event loop.
+    pub fn fd(&self) -> libc::c_int {
+        // SAFETY: `raw` points to the live channel this value shares.
+        unsafe { self.inner.raw.as_ref().fd }
+    }
+
+    /// Takes one completion event if there is one (`ibv_get_cq_event`) and
+    /// acknowledges it; true if one was taken. The CQ must be re-armed
+    /// ([`CompletionQueue::arm`]) to get another.
+    pub fn try_take_event(&self) -> Result<bool> {
+        let mut cq = ptr::null_mut();
+        let mut ctx = ptr::null_mut();
+        // SAFETY: the channel is live; `cq` and `ctx` are valid out-pointers;
+        // the descriptor is non-blocking.
+        let ret = unsafe { ffi::ibv_get_cq_event(self.inner.raw.as_ptr(), &mut cq, &mut ctx) };
+        if ret != 0 {
+            let err = last_os_error();
+            return if err.kind() == std::io::ErrorKind::WouldBlock {
+                Ok(false)
+            } else {
+                Err(Error::GetCqEvent(err))
+            };
+        }
+        // SAFETY: `cq` is the live CQ the event is for (it holds this
+        // channel, and we hold the channel); one event is acknowledged.
+        unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
+    }
+}
+
+impl Drop for CompChannelInner {
+    fn drop(&mut self) {
+        // SAFETY: every CQ on this channel holds a clone, so none is left;
+        // destroyed once.
+        unsafe { ffi::ibv_destroy_comp_channel(self.raw.as_ptr()) };
+    }
+}
+
 /// One work completion (the fields the layer uses so far).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WorkCompletion {
     /// The id given when posting.
     pub wr_id: u64,
@@ -31,6 +123,26 @@ pub struct WorkCompletion {
     pub opcode: u32,
     /// Bytes received (receive completions).
     pub byte_len: u32,
+    /// `ibv_wc_status` (0 = `IBV_WC_SUCCESS`; [`poll`](CompletionQueue::poll)
+    /// turns the others into errors, [`poll_batch`](CompletionQueue::poll_batch)
+    /// returns them).
+    pub status: u32,
+}
+
+impl WorkCompletion {
+    /// True when the work request succeeded.
+    pub fn is_ok(&self) -> bool {
+        self.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
+    }
+
+    /// The status, as `ibv_wc_status_str` names it.
+    pub fn status_name(&self) -> String {
+        // SAFETY: ibv_wc_status_str returns a static NUL-terminated string
+        // for any value.
+        unsafe { CStr::from_ptr(ffi::ibv_wc_status_str(self.status)) }
+            .to_string_lossy()
+            .into_owned()
+    }
 }
 
 impl CompletionQueue {
@@ -45,11 +157,85 @@ impl CompletionQueue {
             unsafe { ffi::ibv_create_cq(verbs.as_ptr(), cqe, ptr::null_mut(), ptr::null_mut(), 0) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
         Ok(Self {
-            inner: Rc::new(CqInner {
+            inner: Arc::new(CqInner {
                 raw,
+                _channel: None,
                 _id: id.clone(),
             }),
         })
+    }
+
+    /// Creates a completion queue of at least `depth` entries reporting to
+    /// `channel` when armed ([`arm`](Self::arm)).
+    pub fn with_channel(id: &CmId, depth: u32, channel: &CompletionChannel) -> Result<Self> {
+        let verbs = id.verbs()?;
+        let cqe = libc::c_int::try_from(depth).unwrap_or(libc::c_int::MAX);
+        // SAFETY: `verbs` is the live context of the id's device, and the
+        // channel was made on the same device; no user context.
+        let raw = unsafe {
+            ffi::ibv_create_cq(
+                verbs.as_ptr(),
+                cqe,
+                ptr::null_mut(),
+                channel.inner.raw.as_ptr(),
+                0,
+            )
+        };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
+        Ok(Self {
+            inner: Arc::new(CqInner {
+                raw,
+                _channel: Some(channel.clone()),
+                _id: id.clone(),
+            }),
+        })
+    }
+
+    /// Asks for an event on the channel at the next completion
+    /// (`ibv_req_notify_cq`). Poll once more after arming: a completion
+    /// that came just before is not announced.
+    pub fn arm(&self) -> Result<()> {
+        // SAFETY: the CQ is live.
+        let ret = unsafe { ffi::ibv_req_notify_cq(self.inner.raw.as_ptr(), 0) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(Error::ReqNotifyCq(errno_error(ret)))
+        }
+    }
+
+    /// Takes up to `out.len()` completions (`ibv_poll_cq`), error
+    /// completions included (see [`WorkCompletion::status`]); returns how
+    /// many were written.
+    pub fn poll_batch(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        const BATCH: usize = 32;
+        let mut raw: [std::mem::MaybeUninit<ffi::ibv_wc>; BATCH] =
+            std::array::from_fn(|_| std::mem::MaybeUninit::zeroed());
+        let want = out.len().min(BATCH);
+        // SAFETY: the CQ is live; `raw` has room for `want` entries.
+        let n = unsafe {
+            ffi::ibv_poll_cq(
+                self.inner.raw.as_ptr(),
+                want as libc::c_int,
+                raw.as_mut_ptr().cast(),
+            )
+        };
+        if n < 0 {
+            return Err(Error::PollCq(errno_error(n)));
+        }
+        let n = n as usize;
+        for (slot, wc) in out.iter_mut().zip(&raw[..n]) {
+            // SAFETY: ibv_poll_cq filled the first `n` entries; zeroed
+            // memory is a valid ibv_wc too (integers and integer unions).
+            let wc = unsafe { wc.assume_init_ref() };
+            *slot = WorkCompletion {
+                wr_id: wc.wr_id,
+                opcode: wc.opcode,
+                byte_len: wc.byte_len,
+                status: wc.status,
+            };
+        }
+        Ok(n)
     }
 
     /// Takes one completion if there is one (`ibv_poll_cq`). A completion
@@ -82,6 +268,7 @@ impl CompletionQueue {
             wr_id: wc.wr_id,
             opcode: wc.opcode,
             byte_len: wc.byte_len,
+            status: wc.status,
         }))
     }
 
@@ -107,7 +294,7 @@ impl CompletionQueue {
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        // SAFETY: every QP using this CQ holds an `Rc` to it, so none is
+        // SAFETY: every QP using this CQ holds an `Arc` to it, so none is
         // left; the CQ is destroyed once.
         unsafe { ffi::ibv_destroy_cq(self.raw.as_ptr()) };
     }

@@ -148,6 +148,24 @@ pub enum Error {
     /// The memory region belongs to another protection domain than the QP.
     #[error("the memory region belongs to another protection domain than the queue pair")]
     ForeignMemoryRegion,
+    /// `rdma_migrate_id` failed.
+    #[error("rdma_migrate_id failed: {0}")]
+    MigrateId(#[source] io::Error),
+    /// `rdma_reject` failed.
+    #[error("rdma_reject failed: {0}")]
+    Reject(#[source] io::Error),
+    /// `ibv_create_comp_channel` failed.
+    #[error("ibv_create_comp_channel failed: {0}")]
+    CreateCompChannel(#[source] io::Error),
+    /// `ibv_req_notify_cq` failed.
+    #[error("ibv_req_notify_cq failed: {0}")]
+    ReqNotifyCq(#[source] io::Error),
+    /// `ibv_get_cq_event` failed.
+    #[error("ibv_get_cq_event failed: {0}")]
+    GetCqEvent(#[source] io::Error),
+    /// The operation needs the only handle to the object, and it is shared.
+    #[error("the object is shared: this needs its only handle")]
+    Shared,
     /// Connection private data is longer than the connection manager carries.
     #[error("private data of {0} bytes is too long (at most {max})", max = u8::MAX)]
     PrivateDataTooLong(usize),

@@ -14,8 +14,11 @@
 //! `cm_id`, then the channel).
 //!
 //! # Thread safety
-//! The wrappers are neither `Send` nor `Sync` yet (they use `Rc`): each
-//! connection's objects live on one thread.
+//! libibverbs and librdmacm calls are thread-safe, so the handles are
+//! `Send` and (except [`MemoryRegion`] and [`QueuePair`]) `Sync`: a
+//! connection's objects may move between the threads of an async runtime.
+//! A memory region's buffer is shared with the device, so it is only
+//! `Send`; posting to a queue pair takes `&mut self`.
 //!
 //! # Time limits
 //! Every wait takes a timeout: connection-manager events through `poll(2)`
@@ -32,8 +35,8 @@ mod qp;
 
 pub use rdma_sys as ffi;
 
-pub use cm::{CmId, ConnectRequest, EventChannel};
-pub use cq::{CompletionQueue, WorkCompletion};
+pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
+pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion, RemoteRegion};

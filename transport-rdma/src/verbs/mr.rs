@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use rdma_sys as ffi;
 
@@ -90,8 +90,13 @@ pub struct MemoryRegion {
     raw: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
-    pub(crate) pd: Rc<PdInner>,
+    pub(crate) pd: Arc<PdInner>,
 }
+
+// SAFETY: the value owns its buffer and MR handle (libibverbs calls are
+// thread-safe); moving it to another thread moves that ownership. It is not
+// `Sync`: `write_at` through `&self` from two threads would race.
+unsafe impl Send for MemoryRegion {}
 
 impl MemoryRegion {
     /// Allocates `len` zeroed bytes and registers them on `pd`.
@@ -109,7 +114,7 @@ impl MemoryRegion {
                 raw,
                 buf,
                 len,
-                pd: Rc::clone(&pd.inner),
+                pd: Arc::clone(&pd.inner),
             }),
             None => {
                 let source = last_os_error();
@@ -176,6 +181,39 @@ impl MemoryRegion {
                 len: self.len as u64,
             })
         }
+    }
+
+    /// The bytes `range` of the buffer, borrowed.
+    ///
+    /// Panics if `range` is outside the region.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing may write these bytes: no posted
+    /// receive or remote write may target them, and no `write_at` or
+    /// [`slice_mut`](Self::slice_mut) may cover them.
+    pub unsafe fn slice(&self, range: Range<usize>) -> &[u8] {
+        self.check(&range)
+            .expect("slice: range outside the memory region");
+        // SAFETY: the range is inside the buffer this value owns; the
+        // caller guarantees nobody writes it while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(range.start), range.len()) }
+    }
+
+    /// The bytes `range` of the buffer, mutably borrowed (to encode into).
+    ///
+    /// Panics if `range` is outside the region.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing else may read or write these bytes:
+    /// no posted work request may use them, and no other slice,
+    /// `read_at` or `write_at` may cover them.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [u8] {
+        self.check(&range)
+            .expect("slice_mut: range outside the memory region");
+        // SAFETY: the range is inside the buffer this value owns; the
+        // caller guarantees exclusive access while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr().add(range.start), range.len()) }
     }
 
     /// Copies `data` into the region at `offset`. Panics if it does not fit.

@@ -1,7 +1,7 @@
 //! Protection domain.
 
 use std::ptr::NonNull;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use rdma_sys as ffi;
 
@@ -11,7 +11,7 @@ use super::{last_os_error, CmId, Error, Result};
 /// must share one to work together.
 #[derive(Clone)]
 pub struct ProtectionDomain {
-    pub(crate) inner: Rc<PdInner>,
+    pub(crate) inner: Arc<PdInner>,
 }
 
 pub(crate) struct PdInner {
@@ -19,6 +19,12 @@ pub(crate) struct PdInner {
     /// Keeps the device context (owned through the id) alive.
     _id: CmId,
 }
+
+// SAFETY: libibverbs calls on a PD are thread-safe; the value only holds
+// the pointer (deallocated once in Drop) and a Send + Sync `CmId`.
+unsafe impl Send for PdInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for PdInner {}
 
 impl ProtectionDomain {
     /// Allocates a protection domain on the id's device (`ibv_alloc_pd`).
@@ -30,7 +36,7 @@ impl ProtectionDomain {
         let raw = unsafe { ffi::ibv_alloc_pd(verbs.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::AllocPd(last_os_error()))?;
         Ok(Self {
-            inner: Rc::new(PdInner {
+            inner: Arc::new(PdInner {
                 raw,
                 _id: id.clone(),
             }),
@@ -40,7 +46,7 @@ impl ProtectionDomain {
 
 impl Drop for PdInner {
     fn drop(&mut self) {
-        // SAFETY: every MR and QP on this PD holds an `Rc` to it, so none is
+        // SAFETY: every MR and QP on this PD holds an `Arc` to it, so none is
         // left; the PD is deallocated once, before its context's id.
         unsafe { ffi::ibv_dealloc_pd(self.raw.as_ptr()) };
     }

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 use std::ptr;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use rdma_sys as ffi;
 
@@ -39,10 +39,14 @@ impl Default for QpCapabilities {
 /// memory after the call returns (see each method's `# Safety`).
 pub struct QueuePair {
     id: CmId,
-    pd: Rc<PdInner>,
-    _send_cq: Rc<CqInner>,
-    _recv_cq: Rc<CqInner>,
+    pd: Arc<PdInner>,
+    _send_cq: Arc<CqInner>,
+    _recv_cq: Arc<CqInner>,
 }
+
+// SAFETY: libibverbs calls on a QP are thread-safe; posting takes `&mut
+// self`; the value holds only Send + Sync handles.
+unsafe impl Send for QueuePair {}
 
 impl QueuePair {
     /// Creates the id's RC queue pair on `pd`, completing into `send_cq`
@@ -77,9 +81,9 @@ impl QueuePair {
         }
         Ok(Self {
             id: id.clone(),
-            pd: Rc::clone(&pd.inner),
-            _send_cq: Rc::clone(&send_cq.inner),
-            _recv_cq: Rc::clone(&recv_cq.inner),
+            pd: Arc::clone(&pd.inner),
+            _send_cq: Arc::clone(&send_cq.inner),
+            _recv_cq: Arc::clone(&recv_cq.inner),
         })
     }
 
@@ -90,7 +94,7 @@ impl QueuePair {
     }
 
     fn check_pd(&self, mr: &MemoryRegion) -> Result<()> {
-        if Rc::ptr_eq(&self.pd, &mr.pd) {
+        if Arc::ptr_eq(&self.pd, &mr.pd) {
             Ok(())
         } else {
             Err(Error::ForeignMemoryRegion)

@@ -1,0 +1,242 @@
+//! Send credits and receive-slot accounting.
+
+use super::ProtocolError;
+
+/// The sender's credits: one per receive slot known free at the peer.
+///
+/// Data messages keep the last credit in reserve, so a `Credit` or `Close`
+/// message can always go: two peers that both wait for credits can always
+/// tell each other about the slots they freed.
+#[derive(Debug, Clone)]
+pub struct CreditWindow {
+    credits: u32,
+    limit: u32,
+}
+
+impl CreditWindow {
+    /// Starts with `slots` credits: the peer's whole ring is posted.
+    pub fn new(slots: u32) -> CreditWindow {
+        CreditWindow {
+            credits: slots,
+            limit: slots,
+        }
+    }
+
+    /// Credits held now.
+    pub fn available(&self) -> u32 {
+        self.credits
+    }
+
+    /// The peer's ring size.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Takes a credit for a data message (`Inline` or `Chunk`), keeping one
+    /// in reserve; false when there is none to take.
+    #[must_use]
+    pub fn take_data(&mut self) -> bool {
+        if self.credits >= 2 {
+            self.credits -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Takes a credit for a control message (`Credit`, `Close`), the
+    /// reserved one included.
+    #[must_use]
+    pub fn take_control(&mut self) -> bool {
+        if self.credits >= 1 {
+            self.credits -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The peer returned `n` slots. More credits than the ring has slots is
+    /// a protocol violation.
+    pub fn grant(&mut self, n: u16) -> Result<(), ProtocolError> {
+        let credits = self.credits + u32::from(n);
+        if credits > self.limit {
+            return Err(ProtocolError::new(format!(
+                "peer returned {n} credits while {} of its {} slots were already free",
+                self.credits, self.limit
+            )));
+        }
+        self.credits = credits;
+        Ok(())
+    }
+}
+
+/// How a received inline frame goes up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// As `Bytes` pointing into the slot; the slot is reposted when it drops.
+    ZeroCopy,
+    /// Copied out, so the slot can be reposted at once (the application
+    /// already holds many slots).
+    Copy,
+}
+
+/// The receiver's view of its ring of posted receive slots.
+///
+/// Each slot is: posted (free for the peer), or *outstanding*: consumed by
+/// a message and not yet returned to the peer as a credit (being handled,
+/// held by the application, or reposted and waiting to be reported).
+#[derive(Debug, Clone)]
+pub struct RecvRing {
+    slots: u32,
+    /// Slots consumed and not yet returned as credits.
+    outstanding: u32,
+    /// Of those, held by the application (zero-copy frames).
+    held: u32,
+    /// Of those, reposted and not yet reported to the peer.
+    pending: u32,
+}
+
+impl RecvRing {
+    /// A ring of `slots` posted slots (at least 8).
+    pub fn new(slots: u32) -> RecvRing {
+        assert!(slots >= 8, "a receive ring needs at least 8 slots");
+        RecvRing {
+            slots,
+            outstanding: 0,
+            held: 0,
+            pending: 0,
+        }
+    }
+
+    /// Slots held by the application.
+    pub fn held(&self) -> u32 {
+        self.held
+    }
+
+    /// Slots consumed and not yet returned to the peer.
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding
+    }
+
+    /// A message arrived in a slot. An arrival while every slot is
+    /// outstanding means the peer sent without a credit.
+    pub fn on_arrival(&mut self) -> Result<(), ProtocolError> {
+        if self.outstanding >= self.slots {
+            return Err(ProtocolError::new(
+                "peer sent a message without a credit (receive ring overrun)",
+            ));
+        }
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    /// How the inline frame that just arrived goes up: zero-copy while the
+    /// application holds fewer than half the slots, copied above that, so a
+    /// consumer that keeps its frames never stalls the connection.
+    pub fn deliver(&mut self) -> Delivery {
+        if self.held < self.slots / 2 {
+            self.held += 1;
+            Delivery::ZeroCopy
+        } else {
+            Delivery::Copy
+        }
+    }
+
+    /// The application dropped a zero-copy frame and its slot was reposted.
+    pub fn on_released(&mut self) {
+        debug_assert!(self.held > 0);
+        self.held -= 1;
+        self.pending += 1;
+    }
+
+    /// A slot whose message was handled (copied out, or a control or chunk
+    /// message) was reposted.
+    pub fn on_reposted(&mut self) {
+        self.pending += 1;
+    }
+
+    /// Takes the credits to return with the next message (piggybacked or
+    /// a `Credit` message).
+    pub fn take_credits(&mut self) -> u16 {
+        let n = self.pending.min(u32::from(u16::MAX));
+        self.pending -= n;
+        self.outstanding -= n;
+        n as u16
+    }
+
+    /// Credits reposted and not yet reported.
+    pub fn pending(&self) -> u32 {
+        self.pending
+    }
+
+    /// Whether to send a `Credit` message now, with no data to carry the
+    /// credits: when the peer may be running low (a quarter of the ring
+    /// or less left to it) or half the ring waits to be reported.
+    pub fn wants_credit_message(&self) -> bool {
+        self.pending > 0
+            && (self.slots - self.outstanding <= self.slots / 4 || self.pending >= self.slots / 2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_keeps_one_credit_for_control() {
+        let mut w = CreditWindow::new(8);
+        for _ in 0..7 {
+            assert!(w.take_data());
+        }
+        assert!(!w.take_data());
+        assert!(w.take_control());
+        assert!(!w.take_control());
+        w.grant(8).unwrap();
+        assert!(w.grant(1).is_err(), "over the ring size");
+    }
+
+    #[test]
+    fn ring_overrun_is_a_protocol_error() {
+        let mut r = RecvRing::new(8);
+        for _ in 0..8 {
+            r.on_arrival().unwrap();
+        }
+        assert!(r.on_arrival().is_err());
+    }
+
+    #[test]
+    fn copies_once_half_is_held() {
+        let mut r = RecvRing::new(8);
+        for _ in 0..4 {
+            r.on_arrival().unwrap();
+            assert_eq!(r.deliver(), Delivery::ZeroCopy);
+        }
+        r.on_arrival().unwrap();
+        assert_eq!(r.deliver(), Delivery::Copy);
+        r.on_reposted();
+        assert_eq!(r.take_credits(), 1);
+        r.on_released();
+        assert_eq!(r.held(), 3);
+        assert_eq!(r.take_credits(), 1);
+        assert_eq!(r.outstanding(), 3);
+    }
+
+    #[test]
+    fn credit_message_when_peer_runs_low() {
+        let mut r = RecvRing::new(16);
+        for _ in 0..11 {
+            r.on_arrival().unwrap();
+            r.on_reposted();
+        }
+        // 5 left to the peer: above a quarter, and 11 pending >= half.
+        assert!(r.wants_credit_message());
+        assert_eq!(r.take_credits(), 11);
+        assert!(!r.wants_credit_message());
+        for _ in 0..12 {
+            r.on_arrival().unwrap();
+        }
+        r.on_reposted();
+        assert!(r.wants_credit_message(), "4 left to the peer");
+    }
+}

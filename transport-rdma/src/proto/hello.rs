@@ -1,0 +1,187 @@
+//! What the peers exchange in the connection manager's private data.
+
+use super::{ProtocolError, HEADER_LEN};
+
+/// First bytes of every [`Hello`]: `"RRPC"`.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
+/// The protocol version this crate speaks.
+pub const VERSION: u16 = 1;
+/// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
+pub const HELLO_LEN: usize = 32;
+
+/// One side's receive geometry: how many receive slots of what size it
+/// keeps posted (the peer's credits), and the region the peer may RDMA
+/// WRITE into.
+///
+/// Layout (little-endian): `magic: u32, version: u16, reserved: u16 (0),
+/// ring_slots: u32, slot_size: u32, region_addr: u64, region_rkey: u32,
+/// region_len: u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// Receive slots kept posted: the peer starts with this many credits.
+    pub ring_slots: u32,
+    /// Bytes per receive slot, header included.
+    pub slot_size: u32,
+    /// Address of the large-payload region.
+    pub region_addr: u64,
+    /// Its remote key.
+    pub region_rkey: u32,
+    /// Its length in bytes.
+    pub region_len: u32,
+}
+
+/// Bounds a [`Hello`] must respect to be accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelloLimits {
+    /// Most receive slots accepted (each costs a send slot here).
+    pub max_ring_slots: u32,
+    /// Largest slot accepted.
+    pub max_slot_size: u32,
+    /// Largest region accepted (it costs a staging region of that size here).
+    pub max_region_len: u32,
+}
+
+impl Hello {
+    /// Encodes the hello.
+    pub fn to_bytes(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0; HELLO_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.ring_slots.to_le_bytes());
+        b[12..16].copy_from_slice(&self.slot_size.to_le_bytes());
+        b[16..24].copy_from_slice(&self.region_addr.to_le_bytes());
+        b[24..28].copy_from_slice(&self.region_rkey.to_le_bytes());
+        b[28..32].copy_from_slice(&self.region_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a peer's hello (trailing bytes, e.g. the
+    /// connection manager's zero padding, are ignored).
+    pub fn decode(b: &[u8], limits: &HelloLimits) -> Result<Hello, ProtocolError> {
+        let b = b.get(..HELLO_LEN).ok_or_else(|| {
+            ProtocolError::new(format!(
+                "peer's connection data is {} bytes, expected at least {HELLO_LEN} \
+                 (is the peer an rdma-rpc endpoint?)",
+                b.len()
+            ))
+        })?;
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        if u32_at(0) != MAGIC {
+            return Err(ProtocolError::new(
+                "peer's connection data lacks the rdma-rpc magic (not an rdma-rpc endpoint)",
+            ));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(ProtocolError::new(format!(
+                "peer speaks protocol version {version}, this side {VERSION}"
+            )));
+        }
+        let hello = Hello {
+            ring_slots: u32_at(8),
+            slot_size: u32_at(12),
+            region_addr: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+            region_rkey: u32_at(24),
+            region_len: u32_at(28),
+        };
+        if !(8..=limits.max_ring_slots).contains(&hello.ring_slots) {
+            return Err(ProtocolError::new(format!(
+                "peer announces {} receive slots (accepted: 8..={})",
+                hello.ring_slots, limits.max_ring_slots
+            )));
+        }
+        if !(HEADER_LEN as u32 + 64..=limits.max_slot_size).contains(&hello.slot_size) {
+            return Err(ProtocolError::new(format!(
+                "peer announces {}-byte slots (accepted: {}..={})",
+                hello.slot_size,
+                HEADER_LEN + 64,
+                limits.max_slot_size
+            )));
+        }
+        if !(4096..=limits.max_region_len).contains(&hello.region_len) {
+            return Err(ProtocolError::new(format!(
+                "peer announces a {}-byte region (accepted: 4096..={})",
+                hello.region_len, limits.max_region_len
+            )));
+        }
+        if hello
+            .region_addr
+            .checked_add(hello.region_len.into())
+            .is_none()
+        {
+            return Err(ProtocolError::new("peer's region wraps the address space"));
+        }
+        Ok(hello)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: HelloLimits = HelloLimits {
+        max_ring_slots: 1024,
+        max_slot_size: 65536,
+        max_region_len: 1 << 26,
+    };
+
+    fn hello() -> Hello {
+        Hello {
+            ring_slots: 64,
+            slot_size: 8192,
+            region_addr: 0x7f00_0000_0000,
+            region_rkey: 0x1234,
+            region_len: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn round_trip_with_padding() {
+        let mut b = hello().to_bytes().to_vec();
+        b.extend_from_slice(&[0; 24]);
+        assert_eq!(Hello::decode(&b, &LIMITS), Ok(hello()));
+    }
+
+    #[test]
+    fn rejects_bad_hellos() {
+        assert!(Hello::decode(&[], &LIMITS).is_err());
+        let mut b = hello().to_bytes();
+        b[0] ^= 1;
+        assert!(Hello::decode(&b, &LIMITS).is_err());
+        let mut b = hello().to_bytes();
+        b[4] = 2;
+        assert!(Hello::decode(&b, &LIMITS).is_err());
+        for bad in [
+            Hello {
+                ring_slots: 4,
+                ..hello()
+            },
+            Hello {
+                ring_slots: 5000,
+                ..hello()
+            },
+            Hello {
+                slot_size: 16,
+                ..hello()
+            },
+            Hello {
+                slot_size: 1 << 20,
+                ..hello()
+            },
+            Hello {
+                region_len: 100,
+                ..hello()
+            },
+            Hello {
+                region_len: 1 << 30,
+                ..hello()
+            },
+            Hello {
+                region_addr: u64::MAX - 10,
+                ..hello()
+            },
+        ] {
+            assert!(Hello::decode(&bad.to_bytes(), &LIMITS).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! The sans-I/O protocol core: everything the RDMA transport decides, with
+//! no verbs and no async runtime in it.
+//!
+//! The verbs glue (the crate's private `conn` module) owns the registered memory and posts the
+//! work requests; these state machines say what may be posted, validate
+//! everything the peer sends, and keep the accounting that makes "no send
+//! without a credit, no write outside free space" hold:
+//!
+//! - [`Header`]: the fixed header at the start of every SEND;
+//! - [`Hello`]: what the peers exchange in the connection manager's private
+//!   data (protocol version, ring and region geometry, region address/rkey);
+//! - [`CreditWindow`]: the sender's credits for free receive slots at the peer;
+//! - [`RecvRing`]: the receiver's slot accounting, and when to return credits;
+//! - [`RegionWriter`] / [`RegionReader`]: the ring allocator over the peer's
+//!   large-payload region (allocation in order, freeing in order) and its
+//!   receiving side, which checks every offset and length;
+//! - [`Reassembly`]: frames larger than one region chunk, put back together
+//!   (or skipped when over the frame limit);
+//! - [`route`]: the small / large / chunked decision for one frame.
+//!
+//! # Wire protocol (version 1)
+//! Every message is one SEND into a receive slot, starting with a 32-byte
+//! [`Header`]. An `Inline` message carries a whole frame after the header.
+//! A `Chunk` message announces `len` bytes the sender has just RDMA-written
+//! into the receiver's region at `pos` (a position in the region's infinite
+//! byte stream: offset `pos % region_len`); on an RC queue pair the WRITE is
+//! in place before the SEND's receive completes. Each message also returns
+//! `credits` receive slots and the sender's region `freed_to` position.
+//! `Credit` messages carry only those; `Close` ends the stream.
+
+mod credit;
+mod header;
+mod hello;
+mod reassembly;
+mod region;
+#[cfg(test)]
+mod sim;
+
+pub use credit::{CreditWindow, Delivery, RecvRing};
+pub use header::{Header, Kind, FIRST, HEADER_LEN, LAST};
+pub use hello::{Hello, HelloLimits, HELLO_LEN, MAGIC, VERSION};
+pub use reassembly::{Assembled, Reassembly};
+pub use region::{max_chunk, RegionReader, RegionWriter};
+
+/// The peer broke the protocol: the connection must be closed and its calls failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("RDMA transport protocol violation: {0}")]
+pub struct ProtocolError(pub String);
+
+impl ProtocolError {
+    pub(crate) fn new(message: impl Into<String>) -> ProtocolError {
+        ProtocolError(message.into())
+    }
+}
+
+/// How one outgoing frame travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// In one SEND, after the header, into a receive slot.
+    Inline,
+    /// One RDMA WRITE into the peer's region, then a `Chunk` SEND.
+    Region,
+    /// Frame larger than one chunk: several WRITE + `Chunk` SEND pairs.
+    Chunked,
+}
+
+/// Picks the route of a frame of `len` bytes: inline up to `inline_max`
+/// (the small/large threshold, at most a slot minus the header), one region
+/// chunk up to `max_chunk`, chunked above.
+pub fn route(len: usize, inline_max: usize, max_chunk: usize) -> Route {
+    if len <= inline_max {
+        Route::Inline
+    } else if len <= max_chunk {
+        Route::Region
+    } else {
+        Route::Chunked
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_thresholds() {
+        assert_eq!(route(0, 100, 1000), Route::Inline);
+        assert_eq!(route(100, 100, 1000), Route::Inline);
+        assert_eq!(route(101, 100, 1000), Route::Region);
+        assert_eq!(route(1000, 100, 1000), Route::Region);
+        assert_eq!(route(1001, 100, 1000), Route::Chunked);
+    }
+}

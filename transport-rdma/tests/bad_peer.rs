@@ -1,0 +1,171 @@
+//! Peers that break the transport's protocol, written with the raw verbs
+//! layer: the server refuses or disconnects them, fails their connection
+//! promptly, and keeps accepting good clients.
+
+mod common;
+
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::TestEnv;
+use rpc_core::frame::{OutBody, OutFrame};
+use rpc_core::transport::{FrameLimits, Transport, TransportError};
+use transport_rdma::proto::{Header, Hello, Kind, FIRST, LAST};
+use transport_rdma::verbs::{
+    Access, CmId, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain, QpCapabilities,
+    QueuePair,
+};
+use transport_rdma::RdmaTransport;
+
+const LIMITS: FrameLimits = FrameLimits {
+    max_frame_len: 1 << 20,
+};
+const STEP: Duration = Duration::from_secs(20);
+
+/// What a raw client keeps alive while the server reacts.
+type Raw = (CmId, CompletionQueue, QueuePair, MemoryRegion, MemoryRegion);
+
+/// Connects with `private_data` as the hello, then SENDs `message` (if any).
+fn raw_client(
+    server: SocketAddr,
+    private_data: Option<Vec<u8>>,
+    message: Option<Vec<u8>>,
+) -> Result<Raw, String> {
+    let channel = EventChannel::new().map_err(|e| e.to_string())?;
+    let id = CmId::new(&channel).map_err(|e| e.to_string())?;
+    id.resolve(server, STEP).map_err(|e| e.to_string())?;
+    let pd = ProtectionDomain::new(&id).map_err(|e| e.to_string())?;
+    let cq = CompletionQueue::new(&id, 64).map_err(|e| e.to_string())?;
+    let mut qp =
+        QueuePair::new(&id, &pd, &cq, &cq, QpCapabilities::default()).map_err(|e| e.to_string())?;
+    let recv = MemoryRegion::new(&pd, 8 * 128, Access::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    let region = MemoryRegion::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .map_err(|e| e.to_string())?;
+    for i in 0..8 {
+        // SAFETY: `recv` is returned with the QP and outlives it in the
+        // caller; nothing reads the slots.
+        unsafe { qp.post_recv(i, &recv, i as usize * 128..(i as usize + 1) * 128) }
+            .map_err(|e| e.to_string())?;
+    }
+    let hello = private_data.unwrap_or_else(|| {
+        let r = region.remote();
+        Hello {
+            ring_slots: 8,
+            slot_size: 128,
+            region_addr: r.addr,
+            region_rkey: r.rkey,
+            region_len: 4096,
+        }
+        .to_bytes()
+        .to_vec()
+    });
+    id.connect(&hello, STEP).map_err(|e| e.to_string())?;
+    if let Some(message) = message {
+        let send = MemoryRegion::new(&pd, 256, Access::LOCAL_WRITE).map_err(|e| e.to_string())?;
+        send.write_at(0, &message);
+        // SAFETY: `send` lives until the completion is polled below.
+        unsafe { qp.post_send(99, &send, 0..message.len()) }.map_err(|e| e.to_string())?;
+        let wc = cq.wait(STEP).map_err(|e| e.to_string())?;
+        assert_eq!(wc.wr_id, 99);
+        return Ok((id, cq, qp, recv, send));
+    }
+    Ok((id, cq, qp, recv, region))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default();
+    let listen = env.local_listen();
+    let mut listener = cfg
+        .listen(listen.strip_prefix("rdma://").unwrap(), LIMITS)
+        .await
+        .unwrap();
+    let target = listener
+        .local_addr()
+        .strip_prefix("rdma://")
+        .unwrap()
+        .to_string();
+    let addr: SocketAddr = target.parse().unwrap();
+
+    // Not an rdma-rpc hello: refused at connect.
+    for bad_hello in [b"GET / HTTP/1.1".to_vec(), {
+        let mut h = Hello {
+            ring_slots: 8,
+            slot_size: 128,
+            region_addr: 0,
+            region_rkey: 0,
+            region_len: 4096,
+        }
+        .to_bytes();
+        h[4] = 9; // protocol version 9
+        h.to_vec()
+    }] {
+        let result = tokio::task::spawn_blocking(move || raw_client(addr, Some(bad_hello), None))
+            .await
+            .unwrap();
+        assert!(result.is_err(), "a bad hello was accepted");
+    }
+
+    // A valid hello, then a message that breaks the protocol: the server's
+    // connection fails at once.
+    let mut garbage = vec![0xffu8; 32];
+    garbage[12..16].fill(0);
+    let mut bad_chunk = Header::new(Kind::Chunk);
+    bad_chunk.flags = FIRST | LAST;
+    bad_chunk.len = 100;
+    bad_chunk.total = 100;
+    bad_chunk.pos = 12345; // not where the next chunk goes
+    let mut too_many_credits = Header::new(Kind::Credit);
+    too_many_credits.credits = 1000;
+    let mut freed_ahead = Header::new(Kind::Credit);
+    freed_ahead.freed_to = 1 << 40;
+    for (what, message) in [
+        ("unknown kind", garbage),
+        ("misplaced chunk", bad_chunk.to_bytes().to_vec()),
+        (
+            "credits beyond the ring",
+            too_many_credits.to_bytes().to_vec(),
+        ),
+        (
+            "region freed beyond what was written",
+            freed_ahead.to_bytes().to_vec(),
+        ),
+        ("truncated header", vec![1, 0, 0]),
+    ] {
+        let client = tokio::task::spawn_blocking(move || raw_client(addr, None, Some(message)));
+        let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+            .await
+            .expect("accepts in time")
+            .expect("accepts");
+        let _raw = client.await.unwrap().expect("the raw client connects");
+        let error = tokio::time::timeout(STEP, conn.source.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the connection did not fail"));
+        match error {
+            Err(e) => eprintln!("{what}: {e}"),
+            Ok(frame) => panic!("{what}: got {frame:?}"),
+        }
+        let body = Bytes::from_static(b"x");
+        let frame = OutFrame::new(1, OutBody::Message, Some(&body), false).unwrap();
+        assert!(
+            conn.sink.send(&frame).await.is_err(),
+            "{what}: sends still succeed"
+        );
+    }
+
+    // A good client still gets through.
+    let (client, server) = tokio::join!(
+        cfg.connect(&target, LIMITS),
+        poll_fn(|cx| listener.poll_accept(cx))
+    );
+    let (client, mut server) = (client.unwrap(), server.unwrap());
+    let body = Bytes::from_static(b"still accepting");
+    let frame = OutFrame::new(7, OutBody::Message, Some(&body), false).unwrap();
+    client.sink.send(&frame).await.unwrap();
+    let got: Result<Option<Bytes>, TransportError> = server.source.recv().await;
+    assert!(got.unwrap().unwrap().ends_with(b"still accepting"));
+}

@@ -1,0 +1,66 @@
+//! What the device tests share: the environment they run in.
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::IpAddr;
+
+/// Which side(s) of a two-host test this process plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Server and client in this process, over the one device.
+    Both,
+    /// The server of a two-host run.
+    Server,
+    /// The client of a two-host run.
+    Client,
+}
+
+/// The device the tests were asked to use, from the environment.
+pub struct TestEnv {
+    /// `RDMA_TEST_DEVICE`.
+    pub device: String,
+    /// `RDMA_TEST_IP`: this side's address on the device.
+    pub ip: IpAddr,
+    /// `RDMA_TEST_ROLE`.
+    pub role: Role,
+    /// `RDMA_TEST_PEER_IP` (the server, for a client).
+    pub peer: Option<IpAddr>,
+}
+
+impl TestEnv {
+    /// Reads the variables; panics (fails the test) when they are missing.
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let help = "run the device tests through `cargo xtask rxe -- <test binary> --ignored` (Soft-RoCE in a VM), \
+                    or on a machine with an RDMA NIC set RDMA_TEST_DEVICE and RDMA_TEST_IP (an IPv4 address on it)";
+        let device = var("RDMA_TEST_DEVICE")
+            .unwrap_or_else(|| panic!("RDMA_TEST_DEVICE is not set: {help}"));
+        let ip = var("RDMA_TEST_IP").unwrap_or_else(|| panic!("RDMA_TEST_IP is not set: {help}"));
+        let ip: IpAddr = ip
+            .parse()
+            .unwrap_or_else(|e| panic!("RDMA_TEST_IP={ip:?} is not an IP address: {e}"));
+        let role = match var("RDMA_TEST_ROLE").as_deref() {
+            None | Some("both") => Role::Both,
+            Some("server") => Role::Server,
+            Some("client") => Role::Client,
+            Some(other) => panic!("RDMA_TEST_ROLE={other:?}: expected both, server or client"),
+        };
+        let peer = var("RDMA_TEST_PEER_IP").map(|p| {
+            p.parse()
+                .unwrap_or_else(|e| panic!("RDMA_TEST_PEER_IP={p:?} is not an IP address: {e}"))
+        });
+        if role == Role::Client && peer.is_none() {
+            panic!("RDMA_TEST_ROLE=client needs RDMA_TEST_PEER_IP (the server's address)");
+        }
+        Self {
+            device,
+            ip,
+            role,
+            peer,
+        }
+    }
+
+    /// `rdma://IP:0` on this side's address: a listener picks its port.
+    pub fn local_listen(&self) -> String {
+        format!("rdma://{}:0", self.ip)
+    }
+}

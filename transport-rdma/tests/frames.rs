@@ -1,0 +1,416 @@
+//! The RDMA transport at the frame level, on a real device: frames of every
+//! size around every threshold (inline / one region chunk / chunked),
+//! credits holding back a sender whose peer does not read, a receiver that
+//! keeps every frame, a peer process killed mid-stream.
+//!
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`); in a
+//! two-host run each side runs these over its own device.
+
+mod common;
+
+use std::future::poll_fn;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::TestEnv;
+use rpc_core::frame::{OutBody, OutFrame, HEAD_LEN};
+use std::sync::Arc;
+
+use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport, TransportError};
+use transport_rdma::RdmaTransport;
+
+const DEVICE: &str = "needs an RDMA device: run through cargo xtask rxe";
+const LIMITS: FrameLimits = FrameLimits {
+    max_frame_len: (64 << 20) + 1024,
+};
+const STEP: Duration = Duration::from_secs(20);
+
+/// A tiny configuration, so every path is taken with small frames: 8 slots
+/// of 512 bytes (inline up to 480), a 8 KiB region (chunks up to 4 KiB).
+fn tiny() -> RdmaTransport {
+    RdmaTransport::default().ring(8, 512).region_len(8192)
+}
+
+async fn pair(env: &TestEnv, cfg: &RdmaTransport) -> (Connection, Connection) {
+    let listen = env.local_listen();
+    let authority = listen.strip_prefix("rdma://").unwrap();
+    let mut listener = cfg.listen(authority, LIMITS).await.expect("listens");
+    let local = listener.local_addr();
+    let target = local.strip_prefix("rdma://").unwrap().to_string();
+    let (client, server) = tokio::join!(
+        cfg.connect(&target, LIMITS),
+        poll_fn(|cx| listener.poll_accept(cx))
+    );
+    (client.expect("connects"), server.expect("accepts"))
+}
+
+fn payload(seed: usize, len: usize) -> Bytes {
+    (0..len)
+        .map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(7)) as u8)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+async fn send(sink: &Arc<dyn FrameSink>, id: u64, body: &Bytes) -> Result<(), TransportError> {
+    let frame = OutFrame::new(id, OutBody::Message, Some(body), false).expect("frame");
+    tokio::time::timeout(STEP, sink.send(&frame))
+        .await
+        .expect("send timed out")
+}
+
+async fn recv(conn: &mut Connection) -> Result<Option<Bytes>, TransportError> {
+    match tokio::time::timeout(STEP, conn.source.recv()).await {
+        Ok(r) => r,
+        Err(_) => panic!(
+            "receive timed out; state:\n{}",
+            transport_rdma::debug_dump()
+        ),
+    }
+}
+
+fn check(frame: &Bytes, id: u64, body: &Bytes) {
+    assert_eq!(
+        frame.len(),
+        HEAD_LEN + body.len(),
+        "frame {id}: length differs"
+    );
+    assert!(
+        frame[HEAD_LEN..] == body[..],
+        "frame {id} ({} bytes of payload): contents differ",
+        body.len()
+    );
+}
+
+/// Payload sizes whose frames are one byte below, at and above `limit`.
+fn around(limit: usize) -> [usize; 3] {
+    let p = limit - HEAD_LEN;
+    [p - 1, p, p + 1]
+}
+
+/// Sends every size one way and back, pipelined (all sent before any is read).
+async fn round_trip_sizes(cfg: RdmaTransport, sizes: &[usize]) {
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env, &cfg).await;
+    let bodies: Vec<Bytes> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| payload(i, n))
+        .collect();
+    let sender = {
+        let bodies = bodies.clone();
+        let sink = std::sync::Arc::clone(&client.sink);
+        tokio::spawn(async move {
+            for (i, body) in bodies.iter().enumerate() {
+                let frame = OutFrame::new(i as u64, OutBody::Message, Some(body), false).unwrap();
+                sink.send(&frame).await.expect("client sends");
+            }
+        })
+    };
+    // The server echoes each frame's payload back as it arrives.
+    let echo = tokio::spawn(async move {
+        for (i, body) in bodies.iter().enumerate() {
+            let frame = recv(&mut server)
+                .await
+                .expect("server receives")
+                .expect("a frame");
+            check(&frame, i as u64, body);
+            let back = frame.slice(HEAD_LEN..);
+            send(&server.sink, i as u64, &back)
+                .await
+                .expect("server sends");
+        }
+        server
+    });
+    let mut client = client;
+    for (i, &n) in sizes.iter().enumerate() {
+        let frame = recv(&mut client)
+            .await
+            .expect("client receives")
+            .expect("a frame");
+        check(&frame, i as u64, &payload(i, n));
+    }
+    sender.await.unwrap();
+    let server = echo.await.unwrap();
+    // Orderly close: the peer sees end-of-stream.
+    client.sink.close();
+    let mut server = server;
+    assert!(recv(&mut server).await.expect("clean end").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn tiny_ring_every_threshold_both_ways() {
+    let _ = DEVICE;
+    let mut sizes = vec![0, 1, 2, 100];
+    // inline max = 512 - 32; one chunk = 4096; region = 8192.
+    for limit in [480, 4096, 8192, 3 * 4096] {
+        sizes.extend(around(limit));
+    }
+    sizes.extend([100_000, 1 << 20]);
+    // Many small ones: far more than the 8 slots.
+    sizes.extend((0..300).map(|i| i % 700));
+    round_trip_sizes(tiny(), &sizes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn default_config_every_threshold_up_to_64_mib() {
+    // inline max = 8192 - 32; one chunk = 512 KiB; region = 1 MiB.
+    let mut sizes = vec![0, 1];
+    for limit in [8160, 512 << 10, 1 << 20, 4 << 20] {
+        sizes.extend(around(limit));
+    }
+    sizes.extend([(16 << 20) + 7, 64 << 20]);
+    round_trip_sizes(RdmaTransport::default(), &sizes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn lowered_inline_threshold_sends_small_frames_by_write() {
+    let cfg = tiny().inline_threshold(64);
+    let mut sizes = vec![0, 1];
+    sizes.extend(around(64));
+    sizes.extend((0..100).map(|i| i * 13));
+    round_trip_sizes(cfg, &sizes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_peer_that_does_not_read_holds_the_sender_back() {
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env, &tiny()).await;
+    let body = payload(1, 100);
+    // Send until a send blocks for a while: credits and send slots bound it.
+    let mut sent = 0u64;
+    loop {
+        let frame = OutFrame::new(sent, OutBody::Message, Some(&body), false).unwrap();
+        match tokio::time::timeout(Duration::from_millis(500), client.sink.send(&frame)).await {
+            Ok(r) => {
+                r.expect("send");
+                sent += 1;
+                assert!(
+                    sent < 100,
+                    "{sent} frames accepted while the peer reads nothing"
+                );
+            }
+            Err(_) => break,
+        }
+    }
+    assert!(sent >= 7, "only {sent} frames went before blocking");
+    // Now read: the blocked sender goes on; everything arrives in order.
+    let more = 200u64;
+    let sink = std::sync::Arc::clone(&client.sink);
+    let body2 = body.clone();
+    let sender = tokio::spawn(async move {
+        for i in sent..sent + more {
+            let frame = OutFrame::new(i, OutBody::Message, Some(&body2), false).unwrap();
+            sink.send(&frame).await.expect("send");
+        }
+    });
+    for i in 0..sent + more {
+        let frame = recv(&mut server).await.unwrap().unwrap();
+        check(&frame, i, &body);
+    }
+    sender.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_receiver_keeping_every_frame_does_not_stall() {
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env, &tiny()).await;
+    let n = 1000u64;
+    let sink = std::sync::Arc::clone(&client.sink);
+    let sender = tokio::spawn(async move {
+        for i in 0..n {
+            let body = payload(i as usize, (i as usize * 7) % 470);
+            let frame = OutFrame::new(i, OutBody::Message, Some(&body), false).unwrap();
+            sink.send(&frame).await.expect("send");
+        }
+    });
+    let mut kept = Vec::new();
+    for i in 0..n {
+        let frame = recv(&mut server).await.unwrap().unwrap();
+        check(&frame, i, &payload(i as usize, (i as usize * 7) % 470));
+        kept.push(frame);
+    }
+    sender.await.unwrap();
+    // Still intact after all that traffic (zero-copy slots were not reused).
+    for (i, frame) in kept.iter().enumerate() {
+        check(frame, i as u64, &payload(i, (i * 7) % 470));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn dropping_a_connection_ends_the_peers_stream_and_fails_its_sends() {
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env, &RdmaTransport::default()).await;
+    send(&client.sink, 1, &payload(0, 10)).await.unwrap();
+    drop(client);
+    let frame = recv(&mut server).await.unwrap().unwrap();
+    check(&frame, 1, &payload(0, 10));
+    assert!(recv(&mut server).await.unwrap().is_none());
+    let started = Instant::now();
+    loop {
+        match send(&server.sink, 2, &payload(0, 10)).await {
+            Err(_) => break,
+            Ok(()) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "sends keep succeeding"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+/// The child process of `a_killed_peer_process_fails_the_connection_promptly`:
+/// connects to `FRAMES_CHILD_CONNECT`, sends frames forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn child_sender() {
+    let Ok(target) = std::env::var("FRAMES_CHILD_CONNECT") else {
+        // Run directly: nothing to do (the parent test runs it as a child).
+        return;
+    };
+    let conn = RdmaTransport::default()
+        .connect(&target, LIMITS)
+        .await
+        .expect("child connects");
+    println!("child connected");
+    let body = payload(3, 1000);
+    for i in 0.. {
+        let frame = OutFrame::new(i, OutBody::Message, Some(&body), false).unwrap();
+        conn.sink.send(&frame).await.expect("child sends");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_killed_peer_process_fails_the_connection_promptly() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default();
+    let authority = env.local_listen();
+    let mut listener = cfg
+        .listen(authority.strip_prefix("rdma://").unwrap(), LIMITS)
+        .await
+        .unwrap();
+    let target = listener
+        .local_addr()
+        .strip_prefix("rdma://")
+        .unwrap()
+        .to_string();
+    for round in 0..2 {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "child_sender", "--nocapture"])
+            .env("FRAMES_CHILD_CONNECT", &target)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn the child");
+        let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+            .await
+            .expect("the child connects in time")
+            .expect("accepts the child");
+        for _ in 0..50 {
+            recv(&mut conn)
+                .await
+                .unwrap()
+                .expect("a frame from the child");
+        }
+        child.kill().unwrap();
+        let killed = Instant::now();
+        let _ = child.wait();
+        // Keep reading: what was sent may still arrive, then an error.
+        let error = loop {
+            match recv(&mut conn).await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("round {round}: a killed peer looked like an orderly close"),
+                Err(e) => break e,
+            }
+        };
+        eprintln!(
+            "round {round}: failed {:?} after the kill: {error}",
+            killed.elapsed()
+        );
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "round {round}: the connection failed only {:?} after the kill",
+            killed.elapsed()
+        );
+        assert!(
+            send(&conn.sink, 1, &payload(0, 5)).await.is_err(),
+            "sends must fail too"
+        );
+        // The listener still accepts: the next round connects again.
+    }
+}
+
+/// Port of `frames_across_the_wire`'s server in a two-host run.
+const WIRE_PORT: u16 = 7481;
+
+/// In a two-host run, frames of every size cross the wire between the two
+/// guests (server echoes, client checks); with one host, over the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn frames_across_the_wire() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default();
+    let mut sizes = vec![0, 1, 100];
+    for limit in [8160, 512 << 10, 1 << 20] {
+        sizes.extend(around(limit));
+    }
+    sizes.push(3 << 20);
+    match env.role {
+        common::Role::Both => round_trip_sizes(cfg, &sizes).await,
+        common::Role::Server => {
+            let mut listener = cfg
+                .listen(&format!("{}:{WIRE_PORT}", env.ip), LIMITS)
+                .await
+                .expect("listens");
+            let mut conn = tokio::time::timeout(
+                Duration::from_secs(120),
+                poll_fn(|cx| listener.poll_accept(cx)),
+            )
+            .await
+            .expect("the client came")
+            .expect("accepts");
+            let mut echoed = 0;
+            while let Some(frame) = recv(&mut conn).await.expect("server receives") {
+                send(&conn.sink, echoed, &frame.slice(HEAD_LEN..))
+                    .await
+                    .expect("server echoes");
+                echoed += 1;
+            }
+            assert_eq!(echoed as usize, sizes.len(), "frames the server echoed");
+        }
+        common::Role::Client => {
+            let target = format!("{}:{WIRE_PORT}", env.peer.expect("checked"));
+            let started = Instant::now();
+            let mut conn = loop {
+                match cfg.connect(&target, LIMITS).await {
+                    Ok(conn) => break conn,
+                    Err(e) if started.elapsed() < Duration::from_secs(90) => {
+                        eprintln!("connecting to {target}: {e}; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => panic!("connecting to {target}: {e}"),
+                }
+            };
+            for (i, &n) in sizes.iter().enumerate() {
+                send(&conn.sink, i as u64, &payload(i, n))
+                    .await
+                    .expect("client sends");
+                let frame = recv(&mut conn)
+                    .await
+                    .expect("client receives")
+                    .expect("an echo");
+                check(&frame, i as u64, &payload(i, n));
+            }
+            conn.sink.close();
+            assert!(recv(&mut conn).await.is_ok(), "the server ends cleanly");
+        }
+    }
+}
