@@ -4,20 +4,24 @@
 //! - `cargo xtask test`: every test in the workspace.
 //! - `cargo xtask rxe -- COMMAND`: run COMMAND against Soft-RoCE in a VM.
 //! - `cargo xtask rxe-baseline`: perftest numbers on that device.
+//! - `cargo xtask bench [--quick]`: end-to-end benchmark against tonic and raw TCP.
 
+mod bench;
 mod rxe;
 mod setup;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline>
+const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | bench>
 
   demo          run the greeter server and client (the main job)
   test          run every test (installs what it needs first; RDMA tests
                 run in a Soft-RoCE VM)
   rxe           run a command next to a Soft-RoCE device in a VM
   rxe-baseline  perftest numbers on that device
+  bench         end-to-end benchmark: rdma-rpc vs tonic vs raw TCP
+                (--quick for a short run; see below)
 
 details of rxe and rxe-baseline:";
 
@@ -28,8 +32,9 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("rxe") => return rxe::rxe_main(&args[1..]),
         Some("rxe-baseline") => return rxe::baseline_main(&args[1..]),
+        Some("bench") => bench::bench_main(&args[1..]),
         Some("-h" | "--help") => {
-            println!("{USAGE}\n{}", rxe::RXE_USAGE);
+            println!("{USAGE}\n{}\n{}", rxe::RXE_USAGE, bench::BENCH_USAGE);
             Ok(())
         }
         _ => Err(USAGE.to_string()),

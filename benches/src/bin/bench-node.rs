@@ -1,0 +1,171 @@
+//! One side of the end-to-end benchmark; `cargo xtask bench` runs both.
+//!
+//! ```text
+//! bench-node server --system rpc|tonic|raw --addr tcp://127.0.0.1:0
+//!     prints `listening on ADDR`, then serves until killed
+//! bench-node client --system rpc|tonic|raw --addr ADDR [options]
+//!     prints one line per measurement (`latency ...`, `throughput ...`)
+//! ```
+//!
+//! Client options, with their defaults:
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `--sizes` | `32,1024,65536,1048576,16777216` | payload sizes, bytes |
+//! | `--concurrency` | `1,16,64,256` | calls in flight for throughput |
+//! | `--warmup-ms` | `500` | warm-up before each measurement |
+//! | `--latency-ms` | `3000` | length of a latency measurement |
+//! | `--latency-calls` | `100000` | a latency measurement stops after this many calls |
+//! | `--throughput-ms` | `3000` | length of a throughput measurement |
+//! | `--max-inflight-bytes` | `536870912` | skip throughput runs with more payload in flight |
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use benches::{client, server, Error, Measure, System};
+
+const USAGE: &str = "usage: bench-node server --system rpc|tonic|raw --addr URL
+       bench-node client --system rpc|tonic|raw --addr URL [--sizes N,N..] [--concurrency N,N..]
+                         [--warmup-ms N] [--latency-ms N] [--latency-calls N]
+                         [--throughput-ms N] [--max-inflight-bytes N]";
+
+struct Args {
+    mode: String,
+    system: System,
+    addr: String,
+    sizes: Vec<usize>,
+    concurrency: Vec<usize>,
+    measure: Measure,
+    max_inflight_bytes: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().ok_or("missing mode")?;
+    if mode != "server" && mode != "client" {
+        return Err(format!("unknown mode {mode:?}"));
+    }
+    let mut parsed = Args {
+        mode,
+        system: System::Rpc,
+        addr: "tcp://127.0.0.1:0".into(),
+        sizes: vec![32, 1024, 64 << 10, 1 << 20, 16 << 20],
+        concurrency: vec![1, 16, 64, 256],
+        measure: Measure {
+            warmup: Duration::from_millis(500),
+            latency_time: Duration::from_secs(3),
+            max_latency_calls: 100_000,
+            throughput_time: Duration::from_secs(3),
+        },
+        max_inflight_bytes: 512 << 20,
+    };
+    while let Some(flag) = args.next() {
+        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let number = || {
+            value
+                .parse::<u64>()
+                .map_err(|e| format!("{flag} {value}: {e}"))
+        };
+        let list = || -> Result<Vec<usize>, String> {
+            value
+                .split(',')
+                .map(|n| n.parse().map_err(|e| format!("{flag} {value}: {e}")))
+                .collect()
+        };
+        match flag.as_str() {
+            "--system" => parsed.system = value.parse()?,
+            "--addr" => parsed.addr = value.clone(),
+            "--sizes" => parsed.sizes = list()?,
+            "--concurrency" => parsed.concurrency = list()?,
+            "--warmup-ms" => parsed.measure.warmup = Duration::from_millis(number()?),
+            "--latency-ms" => parsed.measure.latency_time = Duration::from_millis(number()?),
+            "--latency-calls" => parsed.measure.max_latency_calls = number()?,
+            "--throughput-ms" => parsed.measure.throughput_time = Duration::from_millis(number()?),
+            "--max-inflight-bytes" => parsed.max_inflight_bytes = number()? as usize,
+            _ => return Err(format!("unknown option {flag:?}")),
+        }
+    }
+    Ok(parsed)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("bench-node: {message}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let (mode, system) = (args.mode.clone(), args.system);
+    // Everything runs in a spawned task, on the runtime's workers: under
+    // `block_on` the measuring loop would sit on the main thread, and every
+    // reply would cost a cross-thread wake-up that is the harness's, not the
+    // system's.
+    let result = runtime.block_on(async move {
+        benches::install_transports();
+        let task = tokio::spawn(async move {
+            if args.mode == "server" {
+                serve(&args).await
+            } else {
+                measure(&args).await
+            }
+        });
+        task.await.map_err(Error::from).and_then(|r| r)
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("bench-node {mode} {system}: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: &Args) -> Result<(), Error> {
+    let (addr, serving) = server::start(args.system, &args.addr).await?;
+    println!("listening on {addr}");
+    std::io::stdout().flush()?;
+    serving.await
+}
+
+async fn measure(args: &Args) -> Result<(), Error> {
+    let system = args.system;
+    let client = client::connect(system, &args.addr).await?;
+    let mut out = std::io::stdout();
+    for &size in &args.sizes {
+        let latency = args.measure.latency(&client, size).await?;
+        writeln!(
+            out,
+            "latency system={system} size={size} calls={} p50_ns={} p99_ns={} p999_ns={} max_ns={}",
+            latency.len(),
+            latency.value_at_quantile(0.5),
+            latency.value_at_quantile(0.99),
+            latency.value_at_quantile(0.999),
+            latency.max(),
+        )?;
+        out.flush()?;
+        for &concurrency in &args.concurrency {
+            if size.saturating_mul(concurrency) > args.max_inflight_bytes {
+                writeln!(
+                    out,
+                    "skipped system={system} size={size} concurrency={concurrency} reason=over-max-inflight-bytes"
+                )?;
+                out.flush()?;
+                continue;
+            }
+            let throughput = args.measure.throughput(&client, size, concurrency).await?;
+            writeln!(
+                out,
+                "throughput system={system} size={size} concurrency={concurrency} calls={} secs={:.3} calls_per_s={:.1} gb_per_s={:.4}",
+                throughput.calls,
+                throughput.elapsed.as_secs_f64(),
+                throughput.calls_per_sec(),
+                throughput.gb_per_sec(size),
+            )?;
+            out.flush()?;
+        }
+    }
+    Ok(())
+}

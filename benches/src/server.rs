@@ -1,0 +1,106 @@
+//! The echo servers, one per [`System`]: each binds, reports its address and serves.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::{rpcbench, tcp_authority, tonicbench, Error, System, MAX_MESSAGE_SIZE};
+
+/// A server's serve loop, to spawn or await; it runs until the process ends.
+pub type Serving = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
+
+/// Binds `system`'s echo server on `address` (`tcp://127.0.0.1:0` picks a
+/// port) and returns the address it got, as a URL, and its serve loop.
+pub async fn start(system: System, address: &str) -> Result<(String, Serving), Error> {
+    match system {
+        System::Rpc => {
+            let server = rpc_core::Server::builder()
+                .max_message_size(MAX_MESSAGE_SIZE)
+                .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho))
+                .bind(address)
+                .await?;
+            let local = server.local_addr().to_string();
+            Ok((local, Box::pin(async move { Ok(server.serve().await?) })))
+        }
+        System::Tonic => {
+            let listener = TcpListener::bind(tcp_authority(address)?).await?;
+            let local = format!("tcp://{}", listener.local_addr()?);
+            let service = tonicbench::bench_server::BenchServer::new(TonicEcho)
+                .max_decoding_message_size(MAX_MESSAGE_SIZE)
+                .max_encoding_message_size(MAX_MESSAGE_SIZE);
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let serving = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(incoming);
+            Ok((local, Box::pin(async move { Ok(serving.await?) })))
+        }
+        System::Raw => {
+            let listener = TcpListener::bind(tcp_authority(address)?).await?;
+            let local = format!("tcp://{}", listener.local_addr()?);
+            Ok((local, Box::pin(raw_serve(listener))))
+        }
+    }
+}
+
+/// rdma-rpc's echo: the reply is the request's payload (`Bytes`, no copy).
+#[derive(Debug, Clone, Copy)]
+pub struct RpcEcho;
+
+impl rpcbench::bench_server::Bench for RpcEcho {
+    async fn echo(
+        &self,
+        request: rpc_core::Request<rpcbench::Payload>,
+    ) -> Result<rpc_core::Response<rpcbench::Payload>, rpc_core::Status> {
+        Ok(rpc_core::Response::new(request.into_inner()))
+    }
+}
+
+/// tonic's echo: the reply is the request's payload (`Bytes`, no copy).
+#[derive(Debug, Clone, Copy)]
+pub struct TonicEcho;
+
+#[tonic::async_trait]
+impl tonicbench::bench_server::Bench for TonicEcho {
+    async fn echo(
+        &self,
+        request: tonic::Request<tonicbench::Payload>,
+    ) -> Result<tonic::Response<tonicbench::Payload>, tonic::Status> {
+        Ok(tonic::Response::new(request.into_inner()))
+    }
+}
+
+async fn raw_serve(listener: TcpListener) -> Result<(), Error> {
+    loop {
+        let (stream, _) = listener.accept().await?;
+        tokio::spawn(async move {
+            // A client that goes away simply ends its connection.
+            let _ = raw_echo(stream).await;
+        });
+    }
+}
+
+/// Reads length-prefixed frames (4-byte little-endian length) and writes
+/// each one back whole, with one `write_all` per frame, in arrival order.
+async fn raw_echo(stream: TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::with_capacity(64 * 1024, read);
+    let mut frame = BytesMut::new();
+    loop {
+        let len = match read.read_u32_le().await {
+            Ok(len) => len as usize,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        frame.clear();
+        frame.reserve(4 + len);
+        frame.extend_from_slice(&(len as u32).to_le_bytes());
+        frame.resize(4 + len, 0);
+        read.read_exact(&mut frame[4..]).await?;
+        write.write_all(&frame).await?;
+    }
+}

@@ -1,0 +1,854 @@
+//! `cargo xtask bench`: the end-to-end benchmark.
+//!
+//! Builds `bench-node` (crate `benches`) in release mode; for each system
+//! (rdma-rpc, tonic, raw TCP) starts a server process on a free port, runs a
+//! client process against it, and reads the client's result lines. Then
+//! prints the side-by-side table, checks the targets, and writes a markdown
+//! report and an SVG plot.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use crate::{cargo, setup, workspace_root, BUILD_PACKAGES};
+
+pub(crate) const BENCH_USAGE: &str = "details of bench:
+  cargo xtask bench [--quick] [--rpc-addr URL] [--out DIR]
+    --quick         short measurements (about a minute of measuring); the
+                    report goes to target/bench/ unless --out is given
+    --rpc-addr URL  where rdma-rpc's server listens [tcp://127.0.0.1:0];
+                    an rdma:// address works once transport-rdma is installed
+                    in the benches crate (the comparators stay on TCP)
+    --out DIR       write benchmarks.md and benchmarks.svg into DIR
+                    [docs/ for a full run, target/bench/ for --quick]";
+
+/// Payload sizes measured, in bytes.
+const SIZES: [usize; 5] = [32, 1024, 64 << 10, 1 << 20, 16 << 20];
+/// Calls in flight for the throughput measurements.
+const CONCURRENCY: [usize; 4] = [1, 16, 64, 256];
+/// Throughput runs with more payload bytes in flight than this are skipped.
+const MAX_INFLIGHT_BYTES: usize = 512 << 20;
+/// Marks the generated part of the report; text outside it is kept.
+const BEGIN: &str = "<!-- cargo xtask bench: generated from here -->";
+const END: &str = "<!-- cargo xtask bench: generated up to here -->";
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum System {
+    Rpc,
+    Raw,
+    Tonic,
+}
+
+impl System {
+    const ALL: [System; 3] = [System::Rpc, System::Tonic, System::Raw];
+
+    fn arg(self) -> &'static str {
+        match self {
+            System::Rpc => "rpc",
+            System::Tonic => "tonic",
+            System::Raw => "raw",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            System::Rpc => "rdma-rpc",
+            System::Tonic => "tonic",
+            System::Raw => "raw TCP",
+        }
+    }
+
+    fn colour(self) -> &'static str {
+        match self {
+            System::Rpc => "#d62728",
+            System::Tonic => "#1f77b4",
+            System::Raw => "#555555",
+        }
+    }
+}
+
+struct Settings {
+    quick: bool,
+    rpc_addr: String,
+    out: PathBuf,
+    client_args: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Latency {
+    calls: u64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+}
+
+#[derive(Default)]
+struct Results {
+    /// Microseconds, by (system, size).
+    latency: BTreeMap<(System, usize), Latency>,
+    /// Calls per second, by (system, size, concurrency).
+    throughput: BTreeMap<(System, usize, usize), f64>,
+}
+
+pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
+    let settings = parse(args)?;
+    setup::ensure_debian_packages(BUILD_PACKAGES)?;
+    let started = Instant::now();
+    eprintln!("xtask bench: building bench-node (release)");
+    cargo(&["build", "--release", "-p", "benches", "--bin", "bench-node"])?;
+    let node = workspace_root().join("target/release/bench-node");
+
+    // One result line per size for latency, and one per concurrency.
+    let per_system = SIZES.len() * (1 + CONCURRENCY.len());
+    let total = per_system * System::ALL.len();
+    let mut done = 0;
+    let mut results = Results::default();
+    // All three servers stay up; the sizes are the outer loop, so the systems
+    // take turns and a neighbour's load lands on all of them alike.
+    let mut servers = Vec::new();
+    for system in System::ALL {
+        let listen = match system {
+            System::Rpc => settings.rpc_addr.as_str(),
+            System::Tonic | System::Raw => "tcp://127.0.0.1:0",
+        };
+        servers.push((system, start_server(&node, system, listen)?));
+    }
+    for size in SIZES {
+        for (system, (_, addr)) in &servers {
+            let run = ClientRun {
+                node: &node,
+                system: *system,
+                addr,
+                size,
+                settings: &settings,
+            };
+            run.measure(&mut results, &mut done, total)?;
+        }
+    }
+    drop(servers);
+    eprintln!(
+        "xtask bench: measured in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+
+    let command = if settings.quick {
+        "cargo xtask bench --quick".to_string()
+    } else {
+        "cargo xtask bench".to_string()
+    };
+    let tables = tables(&results);
+    let targets = targets(&results);
+    println!("\n{tables}\n{targets}");
+
+    std::fs::create_dir_all(&settings.out)
+        .map_err(|e| format!("creating {}: {e}", settings.out.display()))?;
+    let svg_path = settings.out.join("benchmarks.svg");
+    std::fs::write(&svg_path, svg(&results))
+        .map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
+    let md_path = settings.out.join("benchmarks.md");
+    let generated = report(&settings, &command, &tables, &targets);
+    let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
+    std::fs::write(&md_path, splice(&existing, &generated))
+        .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
+    eprintln!(
+        "xtask bench: wrote {} and {}",
+        md_path.display(),
+        svg_path.display()
+    );
+    Ok(())
+}
+
+fn parse(args: &[String]) -> Result<Settings, String> {
+    let mut quick = false;
+    let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
+    let mut out = None;
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--quick" => quick = true,
+            "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
+            "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
+            "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
+            other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
+        }
+    }
+    let root = workspace_root();
+    let out = out.unwrap_or_else(|| {
+        if quick {
+            root.join("target/bench")
+        } else {
+            root.join("docs")
+        }
+    });
+    // (warm-up, latency run, latency call cap, throughput run), in ms.
+    let (warmup, latency, calls, throughput) = if quick {
+        (200, 700, 20_000, 500)
+    } else {
+        (1000, 5000, 100_000, 3000)
+    };
+    let list = |xs: &[usize]| {
+        xs.iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let client_args = [
+        ("--concurrency", list(&CONCURRENCY)),
+        ("--warmup-ms", warmup.to_string()),
+        ("--latency-ms", latency.to_string()),
+        ("--latency-calls", calls.to_string()),
+        ("--throughput-ms", throughput.to_string()),
+        ("--max-inflight-bytes", MAX_INFLIGHT_BYTES.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_string(), value])
+    .collect();
+    Ok(Settings {
+        quick,
+        rpc_addr,
+        out,
+        client_args,
+    })
+}
+
+/// Kills the server process when dropped, whatever happened to the client.
+struct ServerProcess(Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `system`'s server on `listen`; returns it and the address it reports.
+fn start_server(
+    node: &Path,
+    system: System,
+    listen: &str,
+) -> Result<(ServerProcess, String), String> {
+    let mut server = ServerProcess(
+        Command::new(node)
+            .args(["server", "--system", system.arg(), "--addr", listen])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("could not start bench-node server: {e}"))?,
+    );
+    let mut line = String::new();
+    BufReader::new(server.0.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .map_err(|e| format!("reading bench-node server's output: {e}"))?;
+    let Some(addr) = line.trim().strip_prefix("listening on ") else {
+        return Err(format!(
+            "{} server did not start (said {line:?})",
+            system.title()
+        ));
+    };
+    eprintln!("xtask bench: {} server on {addr}", system.title());
+    Ok((server, addr.to_string()))
+}
+
+/// One client process: every measurement of one system at one size.
+struct ClientRun<'a> {
+    node: &'a Path,
+    system: System,
+    addr: &'a str,
+    size: usize,
+    settings: &'a Settings,
+}
+
+impl ClientRun<'_> {
+    fn measure(&self, results: &mut Results, done: &mut usize, total: usize) -> Result<(), String> {
+        let ClientRun {
+            node,
+            system,
+            addr,
+            size: _,
+            settings,
+        } = *self;
+        let mut client = Command::new(node)
+            .args(["client", "--system", system.arg(), "--addr", addr])
+            .args(&settings.client_args)
+            .args(["--sizes", &self.size.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("could not start bench-node client: {e}"))?;
+        let stdout = client.stdout.take().expect("piped stdout");
+        for line in BufReader::new(stdout).lines() {
+            let line = line.map_err(|e| format!("reading bench-node client's output: {e}"))?;
+            *done += 1;
+            let progress = format!("[{:>2}/{total}] {:<8}", *done, system.title());
+            let fields = fields(&line);
+            let size = field(&fields, "size")?;
+            match line.split(' ').next() {
+                Some("latency") => {
+                    let us = |key| field(&fields, key).map(|ns| ns as f64 / 1000.0);
+                    let latency = Latency {
+                        calls: field(&fields, "calls")? as u64,
+                        p50: us("p50_ns")?,
+                        p99: us("p99_ns")?,
+                        p999: us("p999_ns")?,
+                    };
+                    eprintln!(
+                        "{progress} {:>7} latency: p50 {} p99 {} p99.9 {} ({} calls)",
+                        size_name(size),
+                        micros(latency.p50),
+                        micros(latency.p99),
+                        micros(latency.p999),
+                        latency.calls
+                    );
+                    results.latency.insert((system, size), latency);
+                }
+                Some("throughput") => {
+                    let concurrency = field(&fields, "concurrency")?;
+                    let rate: f64 = fields
+                        .get("calls_per_s")
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(|| format!("no calls_per_s in {line:?}"))?;
+                    eprintln!(
+                    "{progress} {:>7} throughput, {concurrency:>3} in flight: {} calls/s, {:.3} GB/s",
+                    size_name(size),
+                    rate_name(rate),
+                    rate * size as f64 / 1e9
+                );
+                    results.throughput.insert((system, size, concurrency), rate);
+                }
+                Some("skipped") => {
+                    eprintln!(
+                    "{progress} {:>7} throughput, {:>3} in flight: skipped (over {} MiB in flight)",
+                    size_name(size),
+                    field(&fields, "concurrency")?,
+                    MAX_INFLIGHT_BYTES >> 20
+                );
+                }
+                _ => return Err(format!("unexpected line from bench-node: {line:?}")),
+            }
+        }
+        let status = client
+            .wait()
+            .map_err(|e| format!("waiting for bench-node client: {e}"))?;
+        if !status.success() {
+            return Err(format!("{} client failed with {status}", system.title()));
+        }
+        Ok(())
+    }
+}
+
+fn fields(line: &str) -> BTreeMap<&str, &str> {
+    line.split(' ')
+        .filter_map(|kv| kv.split_once('='))
+        .collect()
+}
+
+fn field(fields: &BTreeMap<&str, &str>, key: &str) -> Result<usize, String> {
+    fields
+        .get(key)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("bench-node result without {key}: {fields:?}"))
+}
+
+fn size_name(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+fn micros(us: f64) -> String {
+    if us >= 10_000.0 {
+        format!("{:.1} ms", us / 1000.0)
+    } else if us >= 100.0 {
+        format!("{us:.0} µs")
+    } else {
+        format!("{us:.1} µs")
+    }
+}
+
+fn rate_name(rate: f64) -> String {
+    if rate >= 1e6 {
+        format!("{:.2} M", rate / 1e6)
+    } else if rate >= 1e3 {
+        format!("{:.1} k", rate / 1e3)
+    } else {
+        format!("{rate:.1}")
+    }
+}
+
+fn ratio(ours: Option<f64>, theirs: Option<f64>) -> String {
+    match (ours, theirs) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "–".into(),
+    }
+}
+
+/// Picks one percentile out of a [`Latency`].
+type Pick = fn(&Latency) -> f64;
+
+/// The side-by-side tables, in markdown.
+fn tables(results: &Results) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "### Unary round-trip latency, one call at a time\n\n\
+         Ratios are rdma-rpc's latency over the comparator's: below 1× is faster.\n\n\
+         | size | percentile | rdma-rpc | raw TCP | rdma-rpc / raw | tonic | rdma-rpc / tonic |\n\
+         |---:|---|---:|---:|---:|---:|---:|"
+    );
+    for size in SIZES {
+        let get = |system| results.latency.get(&(system, size)).copied();
+        let percentiles: [(&str, Pick); 3] = [
+            ("p50", |l| l.p50),
+            ("p99", |l| l.p99),
+            ("p99.9", |l| l.p999),
+        ];
+        for (name, pick) in percentiles {
+            let value = |system| get(system).map(|l| pick(&l));
+            let show = |system| value(system).map_or("–".into(), micros);
+            let _ = writeln!(
+                out,
+                "| {} | {name} | {} | {} | {} | {} | {} |",
+                size_name(size),
+                show(System::Rpc),
+                show(System::Raw),
+                ratio(value(System::Rpc), value(System::Raw)),
+                show(System::Tonic),
+                ratio(value(System::Rpc), value(System::Tonic)),
+            );
+        }
+    }
+    let calls = |system| {
+        results
+            .latency
+            .get(&(system, SIZES[0]))
+            .map_or(0, |l| l.calls)
+    };
+    let _ = writeln!(
+        out,
+        "\nCalls measured per size (at 32 B): rdma-rpc {}, raw {}, tonic {}; \
+         fewer at large sizes, where each call is slower.\n",
+        calls(System::Rpc),
+        calls(System::Raw),
+        calls(System::Tonic)
+    );
+    let _ = writeln!(
+        out,
+        "### Throughput, unary calls in flight on one connection\n\n\
+         rdma-rpc and tonic: one task per call in flight, all on one channel. Raw TCP: one \
+         connection pipelining that many frames. GB/s counts payload one way (10⁹ bytes/s); \
+         the echo carries as much back. Ratios above 1× mean rdma-rpc is faster.\n\n\
+         | size | in flight | rdma-rpc calls/s | rdma-rpc GB/s | raw TCP calls/s | rdma-rpc / raw | tonic calls/s | rdma-rpc / tonic |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for size in SIZES {
+        for concurrency in CONCURRENCY {
+            let get = |system| {
+                results
+                    .throughput
+                    .get(&(system, size, concurrency))
+                    .copied()
+            };
+            if System::ALL.iter().all(|&s| get(s).is_none()) {
+                continue;
+            }
+            let show = |system| get(system).map_or("–".into(), rate_name);
+            let _ = writeln!(
+                out,
+                "| {} | {concurrency} | {} | {} | {} | {} | {} | {} |",
+                size_name(size),
+                show(System::Rpc),
+                get(System::Rpc).map_or("–".into(), |r| format!("{:.3}", r * size as f64 / 1e9)),
+                show(System::Raw),
+                ratio(get(System::Rpc), get(System::Raw)),
+                show(System::Tonic),
+                ratio(get(System::Rpc), get(System::Tonic)),
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nRuns with more than {} MiB of payload in flight (16 MiB × 64 and × 256) are skipped.",
+        MAX_INFLIGHT_BYTES >> 20
+    );
+    out
+}
+
+/// The issue's targets, checked against this run.
+fn targets(results: &Results) -> String {
+    let mut out = String::from("### Targets\n\n| target | measured | verdict |\n|---|---:|---|\n");
+    let p50 = |system, size| results.latency.get(&(system, size)).map(|l| l.p50);
+    let rate = |system, size| results.throughput.get(&(system, size, 64)).copied();
+    let mut row = |target: String, measured: Option<f64>, limit: f64, at_most: bool| {
+        let (shown, verdict) = match measured {
+            None => ("–".to_string(), "not measured".to_string()),
+            Some(m) => {
+                let met = if at_most { m <= limit } else { m >= limit };
+                let verdict = if met {
+                    "met".to_string()
+                } else if at_most {
+                    format!("missed by {:.0} %", (m / limit - 1.0) * 100.0)
+                } else {
+                    format!("missed: {:.0} % of the goal", m / limit * 100.0)
+                };
+                (format!("{m:.2}×"), verdict)
+            }
+        };
+        let _ = writeln!(out, "| {target} | {shown} | {verdict} |");
+    };
+    for size in [32, 1024, 64 << 10, 1 << 20] {
+        let r = match (p50(System::Rpc, size), p50(System::Raw, size)) {
+            (Some(a), Some(b)) => Some(a / b),
+            _ => None,
+        };
+        row(
+            format!("p50 at {} ≤ 1.3× raw TCP", size_name(size)),
+            r,
+            1.3,
+            true,
+        );
+    }
+    for size in SIZES {
+        let over = |other| match (rate(System::Rpc, size), rate(other, size)) {
+            (Some(a), Some(b)) => Some(a / b),
+            _ => None,
+        };
+        if rate(System::Rpc, size).is_none() {
+            continue;
+        }
+        row(
+            format!("{} × 64 in flight: ≥ 5× tonic", size_name(size)),
+            over(System::Tonic),
+            5.0,
+            false,
+        );
+        row(
+            format!("{} × 64 in flight: ≥ 0.5× pipelined raw", size_name(size)),
+            over(System::Raw),
+            0.5,
+            false,
+        );
+    }
+    out
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or("?".into(), |kb| {
+            format!("{:.0} GiB", kb as f64 / (1 << 20) as f64)
+        });
+    let output = |program: &str, args: &[&str]| {
+        Command::new(program)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    format!(
+        "{cpu}, {cores} cores, {memory} memory; Linux {}; {}",
+        output("uname", &["-r"]),
+        output("rustc", &["-V"])
+    )
+}
+
+/// The generated part of the report.
+fn report(settings: &Settings, command: &str, tables: &str, targets: &str) -> String {
+    let date = Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    format!(
+        "{BEGIN}\n\
+         ## Results\n\n\
+         - Command: `{command}`{quick}\n\
+         - Machine: {machine}\n\
+         - Date: {date}\n\
+         - rdma-rpc address: `{addr}`; tonic and raw TCP on `tcp://127.0.0.1:0`; client and \
+         server in separate processes, each a default multi-threaded tokio runtime.\n\
+         - One client process per system and size, the systems taking turns size by size: \
+         `bench-node client --system SYSTEM --addr ADDR --sizes SIZE {args}`\n\n\
+         ![p50 latency by size; throughput by calls in flight](benchmarks.svg)\n\n\
+         {tables}\n{targets}\n{END}\n",
+        quick = if settings.quick {
+            " (short measurements: indicative only)"
+        } else {
+            ""
+        },
+        machine = machine(),
+        addr = settings.rpc_addr,
+        args = settings.client_args.join(" "),
+    )
+}
+
+/// `existing` with its generated part replaced by `generated` (appended if it has none).
+fn splice(existing: &str, generated: &str) -> String {
+    match (existing.find(BEGIN), existing.find(END)) {
+        (Some(begin), Some(end)) if begin < end => {
+            let after = existing[end + END.len()..].trim_start_matches('\n');
+            format!("{}{generated}{after}", &existing[..begin])
+        }
+        _ if existing.trim().is_empty() => {
+            format!(
+                "# Benchmarks\n\nRegenerate the results with `cargo xtask bench`.\n\n{generated}"
+            )
+        }
+        _ => format!("{}\n\n{generated}", existing.trim_end()),
+    }
+}
+
+/// One panel of the plot: log-scaled axes, one polyline per system.
+struct Panel<'a> {
+    title: &'a str,
+    x_label: &'a str,
+    y_label: &'a str,
+    xs: &'a [usize],
+    x_name: fn(usize) -> String,
+    series: Vec<(System, Vec<Option<f64>>)>,
+}
+
+/// The plot: p50 latency against size, and throughput against calls in flight.
+fn svg(results: &Results) -> String {
+    let latency = Panel {
+        title: "Unary p50 latency (lower is better)",
+        x_label: "payload size",
+        y_label: "µs",
+        xs: &SIZES,
+        x_name: size_name,
+        series: System::ALL
+            .iter()
+            .map(|&s| {
+                let ys = SIZES
+                    .iter()
+                    .map(|&size| results.latency.get(&(s, size)).map(|l| l.p50))
+                    .collect();
+                (s, ys)
+            })
+            .collect(),
+    };
+    let rates = |size: usize, scale: f64| -> Vec<(System, Vec<Option<f64>>)> {
+        System::ALL
+            .iter()
+            .map(|&s| {
+                let ys = CONCURRENCY
+                    .iter()
+                    .map(|&c| results.throughput.get(&(s, size, c)).map(|r| r * scale))
+                    .collect();
+                (s, ys)
+            })
+            .collect()
+    };
+    let small = Panel {
+        title: "Throughput at 1 KiB (higher is better)",
+        x_label: "calls in flight",
+        y_label: "calls/s",
+        xs: &CONCURRENCY,
+        x_name: |c| c.to_string(),
+        series: rates(1024, 1.0),
+    };
+    let large = Panel {
+        title: "Throughput at 1 MiB (higher is better)",
+        x_label: "calls in flight",
+        y_label: "GB/s",
+        xs: &CONCURRENCY,
+        x_name: |c| c.to_string(),
+        series: rates(1 << 20, (1 << 20) as f64 / 1e9),
+    };
+    let (width, height) = (1200.0, 420.0);
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+         viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (i, panel) in [latency, small, large].iter().enumerate() {
+        draw_panel(&mut out, panel, 400.0 * i as f64, 0.0, 400.0, 380.0);
+    }
+    for (i, system) in System::ALL.iter().enumerate() {
+        let x = 420.0 + 150.0 * i as f64;
+        let _ = writeln!(
+            out,
+            "<line x1=\"{x}\" y1=\"402\" x2=\"{}\" y2=\"402\" stroke=\"{}\" stroke-width=\"3\"/>\
+             <text x=\"{}\" y=\"406\">{}</text>",
+            x + 24.0,
+            system.colour(),
+            x + 30.0,
+            system.title()
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+fn draw_panel(out: &mut String, panel: &Panel<'_>, x0: f64, y0: f64, w: f64, h: f64) {
+    let (left, right, top, bottom) = (x0 + 70.0, x0 + w - 20.0, y0 + 40.0, y0 + h - 50.0);
+    let values: Vec<f64> = panel
+        .series
+        .iter()
+        .flat_map(|(_, ys)| ys.iter().flatten().copied())
+        .filter(|v| *v > 0.0)
+        .collect();
+    let _ = writeln!(
+        out,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">{}</text>",
+        (left + right) / 2.0,
+        y0 + 22.0,
+        panel.title
+    );
+    let _ = writeln!(
+        out,
+        "<rect x=\"{left}\" y=\"{top}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#999\"/>",
+        right - left,
+        bottom - top
+    );
+    if values.is_empty() {
+        return;
+    }
+    // Decades that cover every value: a log axis with a grid line per power of ten.
+    let lo = values
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .log10()
+        .floor();
+    let hi = values
+        .iter()
+        .copied()
+        .fold(0.0, f64::max)
+        .log10()
+        .ceil()
+        .max(lo + 1.0);
+    let y_of = |v: f64| bottom - (v.log10() - lo) / (hi - lo) * (bottom - top);
+    let n = panel.xs.len();
+    let x_of = |i: usize| left + (i as f64 + 0.5) * (right - left) / n as f64;
+    let mut decade = lo;
+    while decade <= hi {
+        let y = y_of(10f64.powf(decade));
+        let _ = writeln!(
+            out,
+            "<line x1=\"{left}\" y1=\"{y:.1}\" x2=\"{right}\" y2=\"{y:.1}\" stroke=\"#e5e5e5\"/>\
+             <text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+            left - 6.0,
+            y + 4.0,
+            axis_number(10f64.powf(decade))
+        );
+        decade += 1.0;
+    }
+    for (i, &x) in panel.xs.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            x_of(i),
+            bottom + 18.0,
+            (panel.x_name)(x)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\
+         <text x=\"{}\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 {} {:.1})\">{} (log scale)</text>",
+        (left + right) / 2.0,
+        bottom + 38.0,
+        panel.x_label,
+        x0 + 16.0,
+        (top + bottom) / 2.0,
+        x0 + 16.0,
+        (top + bottom) / 2.0,
+        panel.y_label
+    );
+    for (system, ys) in &panel.series {
+        let points: Vec<String> = ys
+            .iter()
+            .enumerate()
+            .filter_map(|(i, y)| {
+                y.filter(|v| *v > 0.0)
+                    .map(|v| format!("{:.1},{:.1}", x_of(i), y_of(v)))
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>",
+            points.join(" "),
+            system.colour()
+        );
+        for point in &points {
+            let (x, y) = point.split_once(',').expect("x,y");
+            let _ = writeln!(
+                out,
+                "<circle cx=\"{x}\" cy=\"{y}\" r=\"3\" fill=\"{}\"/>",
+                system.colour()
+            );
+        }
+    }
+}
+
+fn axis_number(v: f64) -> String {
+    if v >= 1e9 {
+        format!("{:.0}G", v / 1e9)
+    } else if v >= 1e6 {
+        format!("{:.0}M", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.0}k", v / 1e3)
+    } else if v >= 1.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splice_replaces_only_the_generated_part() {
+        let doc = format!("# B\n\nintro\n\n{BEGIN}\nold\n{END}\n\n## Analysis\nkept\n");
+        let new = splice(&doc, &format!("{BEGIN}\nnew\n{END}\n"));
+        assert!(new.contains("intro") && new.contains("new") && new.contains("kept"));
+        assert!(!new.contains("old"));
+    }
+
+    #[test]
+    fn sizes_have_short_names() {
+        assert_eq!(size_name(32), "32 B");
+        assert_eq!(size_name(64 << 10), "64 KiB");
+        assert_eq!(size_name(16 << 20), "16 MiB");
+    }
+
+    #[test]
+    fn the_plot_draws_what_it_has() {
+        let mut results = Results::default();
+        results.latency.insert(
+            (System::Rpc, 32),
+            Latency {
+                calls: 1,
+                p50: 20.0,
+                p99: 30.0,
+                p999: 40.0,
+            },
+        );
+        results.throughput.insert((System::Raw, 1024, 16), 1e5);
+        let svg = svg(&results);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("<circle"));
+    }
+}
