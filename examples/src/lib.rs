@@ -11,6 +11,7 @@ pub mod helloworld {
 /// Installs every transport this build has, so any address scheme works.
 pub fn install_transports() {
     transport_tcp::install();
+    transport_rdma::install();
 }
 
 /// The value of `--addr`, or `default`; exits with a usage message on bad arguments.

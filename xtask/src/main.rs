@@ -30,6 +30,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("demo") => demo(),
         Some("test") => test(),
+        Some("demo-in-guest") => demo_in_guest(),
         Some("rxe") => return rxe::rxe_main(&args[1..]),
         Some("rxe-baseline") => return rxe::baseline_main(&args[1..]),
         Some("bench") => bench::bench_main(&args[1..]),
@@ -57,7 +58,27 @@ fn demo() -> Result<(), String> {
     cargo(&["build", "-p", "examples", "--bins"])?;
     let bin = workspace_root().join("target/debug");
     println!("== greeter over TCP");
-    greeter_demo(&bin, "tcp://127.0.0.1:0")
+    greeter_demo(&bin, "tcp://127.0.0.1:0")?;
+    println!("== greeter over RDMA (Soft-RoCE device rxe0 in a VM; on a host with an RDMA NIC run");
+    println!(
+        "   greeter-server --addr rdma://NIC_IP:PORT and greeter-client --addr rdma://NIC_IP:PORT)"
+    );
+    let xtask = std::env::current_exe().map_err(|e| format!("where is xtask itself? {e}"))?;
+    run(Command::new(&xtask)
+        .args(["rxe", "--"])
+        .arg(&xtask)
+        .arg("demo-in-guest"))
+}
+
+/// The RDMA half of the demo, inside the Soft-RoCE guest (`cargo xtask rxe` sets `RDMA_TEST_IP`).
+fn demo_in_guest() -> Result<(), String> {
+    let ip = std::env::var("RDMA_TEST_IP").map_err(|_| {
+        "RDMA_TEST_IP is not set: demo-in-guest runs inside `cargo xtask rxe`".to_string()
+    })?;
+    greeter_demo(
+        &workspace_root().join("target/debug"),
+        &format!("rdma://{ip}:0"),
+    )
 }
 
 /// Starts `greeter-server` on `listen`, runs `greeter-client` against the
