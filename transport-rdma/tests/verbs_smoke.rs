@@ -13,8 +13,12 @@
 //! when run (`--ignored`) without the variables, or with a device that does
 //! not work, they fail: never a silent pass.
 
-use std::net::{IpAddr, SocketAddr};
+mod common;
+
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+
+use common::{Role, TestEnv};
 
 use transport_rdma::verbs::{
     Access, CmId, CompletionQueue, Context, Error, EventChannel, MemoryRegion, ProtectionDomain,
@@ -34,54 +38,6 @@ const WRITE_LEN: usize = 3000;
 const WRITE_OFFSET: u64 = 100;
 /// Receive slots in the server's receive region.
 const SLOT: usize = 1024;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Both,
-    Server,
-    Client,
-}
-
-struct TestEnv {
-    device: String,
-    ip: IpAddr,
-    role: Role,
-    peer: Option<IpAddr>,
-}
-
-impl TestEnv {
-    /// Reads the variables; panics (fails the test) when they are missing.
-    fn from_env() -> Self {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let help = "run the device tests through `cargo xtask rxe -- <test binary> --ignored` (Soft-RoCE in a VM), \
-                    or on a machine with an RDMA NIC set RDMA_TEST_DEVICE and RDMA_TEST_IP (an IPv4 address on it)";
-        let device = var("RDMA_TEST_DEVICE")
-            .unwrap_or_else(|| panic!("RDMA_TEST_DEVICE is not set: {help}"));
-        let ip = var("RDMA_TEST_IP").unwrap_or_else(|| panic!("RDMA_TEST_IP is not set: {help}"));
-        let ip: IpAddr = ip
-            .parse()
-            .unwrap_or_else(|e| panic!("RDMA_TEST_IP={ip:?} is not an IP address: {e}"));
-        let role = match var("RDMA_TEST_ROLE").as_deref() {
-            None | Some("both") => Role::Both,
-            Some("server") => Role::Server,
-            Some("client") => Role::Client,
-            Some(other) => panic!("RDMA_TEST_ROLE={other:?}: expected both, server or client"),
-        };
-        let peer = var("RDMA_TEST_PEER_IP").map(|p| {
-            p.parse()
-                .unwrap_or_else(|e| panic!("RDMA_TEST_PEER_IP={p:?} is not an IP address: {e}"))
-        });
-        if role == Role::Client && peer.is_none() {
-            panic!("RDMA_TEST_ROLE=client needs RDMA_TEST_PEER_IP (the server's address)");
-        }
-        Self {
-            device,
-            ip,
-            role,
-            peer,
-        }
-    }
-}
 
 #[test]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
