@@ -805,9 +805,7 @@ impl Client {
                 .await?;
             receive_one::<C>(&mut rx).await
         };
-        with_deadline(deadline, call)
-            .instrument(tracing::debug_span!("rpc.client", method = path))
-            .await
+        traced(path, deadline, call).await
     }
 
     /// A server-streaming call: one request, a stream of responses.
@@ -830,9 +828,7 @@ impl Client {
                 C::decode,
             )))
         };
-        with_deadline(deadline, call)
-            .instrument(tracing::debug_span!("rpc.client", method = path))
-            .await
+        traced(path, deadline, call).await
     }
 
     /// A client-streaming call: a stream of requests, one response.
@@ -848,14 +844,12 @@ impl Client {
         let (stream, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
-            let (mut call, mut rx, window) =
-                self.open(path, &metadata, deadline, None, true).await?;
-            call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
+            let (_call, mut rx) = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream)
+                .await?;
             receive_one::<C>(&mut rx).await
         };
-        with_deadline(deadline, call)
-            .instrument(tracing::debug_span!("rpc.client", method = path))
-            .await
+        traced(path, deadline, call).await
     }
 
     /// A bidirectional-streaming call: a stream each way.
@@ -871,8 +865,9 @@ impl Client {
         let (stream, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
-            let (mut call, rx, window) = self.open(path, &metadata, deadline, None, true).await?;
-            call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
+            let (call, rx) = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream)
+                .await?;
             Ok(Response::new(self.streaming_response(
                 call,
                 rx,
@@ -880,9 +875,24 @@ impl Client {
                 C::decode,
             )))
         };
-        with_deadline(deadline, call)
-            .instrument(tracing::debug_span!("rpc.client", method = path))
-            .await
+        traced(path, deadline, call).await
+    }
+
+    /// Opens a call whose requests are `stream`, and starts sending them.
+    async fn open_sending<C, S>(
+        &self,
+        path: &str,
+        metadata: &MetadataMap,
+        deadline: Option<Instant>,
+        stream: S,
+    ) -> Result<(ActiveCall, mpsc::UnboundedReceiver<Inbound>), Status>
+    where
+        C: Codec,
+        S: Stream<Item = C::Encode> + Send + 'static,
+    {
+        let (mut call, rx, window) = self.open(path, metadata, deadline, None, true).await?;
+        call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
+        Ok((call, rx))
     }
 
     /// Sends the request stream's messages as the server's window allows, then the end of stream.
@@ -954,6 +964,17 @@ async fn receive_one<C: Codec>(
             }
         }
     }
+}
+
+/// Runs a call under its deadline, in its tracing span.
+async fn traced<T>(
+    path: &str,
+    deadline: Option<Instant>,
+    call: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    with_deadline(deadline, call)
+        .instrument(tracing::debug_span!("rpc.client", method = path))
+        .await
 }
 
 async fn with_deadline<T>(

@@ -79,16 +79,7 @@ fn raw_client(
 async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on() {
     let env = TestEnv::from_env();
     let cfg = RdmaTransport::default();
-    let listen = env.local_listen();
-    let mut listener = cfg
-        .listen(listen.strip_prefix("rdma://").unwrap(), LIMITS)
-        .await
-        .unwrap();
-    let target = listener
-        .local_addr()
-        .strip_prefix("rdma://")
-        .unwrap()
-        .to_string();
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
     let addr: SocketAddr = target.parse().unwrap();
 
     // Not an rdma-rpc hello: refused at connect.

@@ -32,11 +32,7 @@ fn tiny() -> RdmaTransport {
 }
 
 async fn pair(env: &TestEnv, cfg: &RdmaTransport) -> (Connection, Connection) {
-    let listen = env.local_listen();
-    let authority = listen.strip_prefix("rdma://").unwrap();
-    let mut listener = cfg.listen(authority, LIMITS).await.expect("listens");
-    let local = listener.local_addr();
-    let target = local.strip_prefix("rdma://").unwrap().to_string();
+    let (mut listener, target) = env.listen_here(cfg, LIMITS).await;
     let (client, server) = tokio::join!(
         cfg.connect(&target, LIMITS),
         poll_fn(|cx| listener.poll_accept(cx))
@@ -292,16 +288,7 @@ async fn child_sender() {
 async fn a_killed_peer_process_fails_the_connection_promptly() {
     let env = TestEnv::from_env();
     let cfg = RdmaTransport::default();
-    let authority = env.local_listen();
-    let mut listener = cfg
-        .listen(authority.strip_prefix("rdma://").unwrap(), LIMITS)
-        .await
-        .unwrap();
-    let target = listener
-        .local_addr()
-        .strip_prefix("rdma://")
-        .unwrap()
-        .to_string();
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
     for round in 0..2 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", "child_sender", "--nocapture"])

@@ -32,16 +32,7 @@ async fn round_trip_and_throughput() {
     let env = TestEnv::from_env();
     for busy in [None, Some(Duration::from_micros(50))] {
         let cfg = RdmaTransport::default().busy_poll(busy);
-        let listen = env.local_listen();
-        let mut listener = cfg
-            .listen(listen.strip_prefix("rdma://").unwrap(), LIMITS)
-            .await
-            .unwrap();
-        let target = listener
-            .local_addr()
-            .strip_prefix("rdma://")
-            .unwrap()
-            .to_string();
+        let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
         let (client, server) = tokio::join!(
             cfg.connect(&target, LIMITS),
             poll_fn(|cx| listener.poll_accept(cx))

@@ -63,4 +63,24 @@ impl TestEnv {
     pub fn local_listen(&self) -> String {
         format!("rdma://{}:0", self.ip)
     }
+
+    /// Listens with `transport` on this host's test address, on a free port;
+    /// returns the listener and the authority (`IP:PORT`) to connect to.
+    pub async fn listen_here(
+        &self,
+        transport: &transport_rdma::RdmaTransport,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> (Box<dyn rpc_core::transport::Listener>, String) {
+        use rpc_core::transport::Transport;
+        let listener = transport
+            .listen(&format!("{}:0", self.ip), limits)
+            .await
+            .expect("listens on the test address");
+        let target = listener
+            .local_addr()
+            .strip_prefix("rdma://")
+            .expect("an rdma:// address")
+            .to_string();
+        (listener, target)
+    }
 }
