@@ -99,11 +99,15 @@ pub struct MemoryRegion {
 unsafe impl Send for MemoryRegion {}
 
 impl MemoryRegion {
-    /// Allocates `len` zeroed bytes and registers them on `pd`.
+    /// Allocates `len` zeroed bytes on pages of their own and registers
+    /// them on `pd`. Whole pages: registration pins whole pages, so the
+    /// buffer shares none with other data and pins nothing beyond itself.
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
-        let boxed: Box<[u8]> = vec![0u8; len.max(1)].into_boxed_slice();
-        let len = boxed.len();
-        let buf = NonNull::new(Box::into_raw(boxed).cast::<u8>()).expect("a Box is never null");
+        let len = len.max(1);
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size.
+        let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
         // SAFETY: the PD is live; `buf..buf+len` is memory this value owns
         // and frees only after deregistering it (Drop).
@@ -118,14 +122,19 @@ impl MemoryRegion {
             }),
             None => {
                 let source = last_os_error();
-                // SAFETY: `buf` came from Box::into_raw of a `[u8]` of
-                // `len` bytes and was not registered.
-                drop(unsafe {
-                    Box::from_raw(std::ptr::slice_from_raw_parts_mut(buf.as_ptr(), len))
-                });
+                // SAFETY: `buf` was allocated above with this layout and
+                // was not registered.
+                unsafe { std::alloc::dealloc(buf.as_ptr(), layout) };
                 Err(Error::RegMr { len, source })
             }
         }
+    }
+
+    /// The allocation of a `len`-byte buffer: whole pages.
+    fn layout(len: usize) -> std::alloc::Layout {
+        const PAGE: usize = 4096;
+        std::alloc::Layout::from_size_align(len.next_multiple_of(PAGE), PAGE)
+            .expect("a memory region's size fits the address space")
     }
 
     /// Length in bytes.
@@ -256,13 +265,8 @@ impl Drop for MemoryRegion {
         // Posting from it is `unsafe` and requires the MR to outlive the
         // operation, so the device no longer uses the buffer.
         unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
-        // SAFETY: `buf` came from Box::into_raw of a `[u8]` of `len` bytes
-        // and is no longer registered.
-        drop(unsafe {
-            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.buf.as_ptr(),
-                self.len,
-            ))
-        });
+        // SAFETY: `buf` was allocated in `new` with this layout and is no
+        // longer registered.
+        unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };
     }
 }
