@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use slab::Slab;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -395,8 +395,73 @@ enum Phase {
 
 struct CallSlot {
     generation: u32,
-    tx: mpsc::UnboundedSender<Inbound>,
+    inbox: Inbox,
     window: Option<Arc<SendWindow>>,
+}
+
+/// What a call with a single response message (unary, client-streaming)
+/// receives: the message and the trailers, or why it failed.
+type SingleResponse = Result<(Bytes, MetadataMap), Status>;
+
+/// Where the reader delivers what the server sends on one call.
+enum Inbox {
+    /// A response stream: every message and the status, through a channel.
+    Stream(mpsc::UnboundedSender<Inbound>),
+    /// A single response: the message waits here for the status, and the
+    /// outcome goes to the caller once (no channel per call to allocate).
+    Single {
+        message: Option<Bytes>,
+        /// `None` once the outcome is sent.
+        tx: Option<oneshot::Sender<SingleResponse>>,
+    },
+}
+
+impl Inbox {
+    fn single(tx: oneshot::Sender<SingleResponse>) -> Inbox {
+        Inbox::Single {
+            message: None,
+            tx: Some(tx),
+        }
+    }
+
+    fn message(&mut self, payload: Bytes) {
+        match self {
+            Inbox::Stream(tx) => {
+                let _ = tx.send(Inbound::Message(payload));
+            }
+            Inbox::Single { message, tx } => {
+                if message.is_none() {
+                    *message = Some(payload);
+                } else if let Some(tx) = tx.take() {
+                    let _ = tx.send(Err(Status::internal(
+                        "server sent more than one message on a unary response",
+                    )));
+                }
+            }
+        }
+    }
+
+    fn finish(self, status: Status) {
+        match self {
+            Inbox::Stream(tx) => {
+                let _ = tx.send(Inbound::Status(status));
+            }
+            Inbox::Single {
+                message,
+                tx: Some(tx),
+            } => {
+                let outcome = match message {
+                    _ if !status.is_ok() => Err(status),
+                    Some(bytes) => Ok((bytes, status.metadata().clone())),
+                    None => Err(Status::internal(
+                        "server ended the call without a response message",
+                    )),
+                };
+                let _ = tx.send(outcome);
+            }
+            Inbox::Single { tx: None, .. } => {}
+        }
+    }
 }
 
 fn split_id(id: u64) -> (usize, u32) {
@@ -427,10 +492,7 @@ impl ClientConn {
         matches!(self.table().phase, Phase::Open)
     }
 
-    fn open_call(
-        &self,
-        window: Option<Arc<SendWindow>>,
-    ) -> Result<(u64, mpsc::UnboundedReceiver<Inbound>), Status> {
+    fn open_call(&self, window: Option<Arc<SendWindow>>, inbox: Inbox) -> Result<u64, Status> {
         let mut table = self.table();
         match &table.phase {
             Phase::Open => {}
@@ -444,13 +506,12 @@ impl ClientConn {
         }
         table.generation = table.generation.wrapping_add(1);
         let generation = table.generation;
-        let (tx, rx) = mpsc::unbounded_channel();
         let key = table.slots.insert(CallSlot {
             generation,
-            tx,
+            inbox,
             window,
         });
-        Ok(((generation as u64) << 32 | key as u64, rx))
+        Ok((generation as u64) << 32 | key as u64)
     }
 
     fn take_call(&self, id: u64) -> Option<CallSlot> {
@@ -468,7 +529,7 @@ impl ClientConn {
             if let Some(window) = &slot.window {
                 window.close();
             }
-            let _ = slot.tx.send(Inbound::Status(status));
+            slot.inbox.finish(status);
             self.send_cancel(id);
         }
     }
@@ -509,7 +570,7 @@ impl ClientConn {
             if let Some(window) = &slot.window {
                 window.close();
             }
-            let _ = slot.tx.send(Inbound::Status(status.clone()));
+            slot.inbox.finish(status.clone());
         }
     }
 
@@ -613,14 +674,14 @@ impl ClientConn {
                 self.refuse_oversized(id, frame.payload.map_or(0, |p| p.len()));
             }
             FrameBody::Status(status) => {
-                if let Some(slot) = self.take_call(id) {
+                if let Some(mut slot) = self.take_call(id) {
                     if let Some(window) = &slot.window {
                         window.close();
                     }
                     if let Some(payload) = frame.payload {
-                        let _ = slot.tx.send(Inbound::Message(payload));
+                        slot.inbox.message(payload);
                     }
-                    let _ = slot.tx.send(Inbound::Status(status));
+                    slot.inbox.finish(status);
                 }
             }
             FrameBody::WindowUpdate(bytes) => {
@@ -673,10 +734,10 @@ impl ClientConn {
         if let Some(slot) = self
             .table()
             .slots
-            .get(key)
+            .get_mut(key)
             .filter(|s| s.generation == generation)
         {
-            let _ = slot.tx.send(Inbound::Message(payload));
+            slot.inbox.message(payload);
         }
     }
 }
@@ -731,17 +792,11 @@ impl Client {
         deadline: Option<Instant>,
         first: Option<&dyn EncodePayload>,
         sends_stream: bool,
-    ) -> Result<
-        (
-            ActiveCall,
-            mpsc::UnboundedReceiver<Inbound>,
-            Option<Arc<SendWindow>>,
-        ),
-        Status,
-    > {
+        inbox: Inbox,
+    ) -> Result<(ActiveCall, Option<Arc<SendWindow>>), Status> {
         let conn = self.channel.connection().await?;
         let window = sends_stream.then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
-        let (id, rx) = conn.open_call(window.clone())?;
+        let id = conn.open_call(window.clone(), inbox)?;
         let call = ActiveCall {
             conn,
             id,
@@ -765,7 +820,7 @@ impl Client {
             .send(&frame)
             .await
             .map_err(|e| Status::unavailable(format!("sending to {}: {e}", call.conn.peer)))?;
-        Ok((call, rx, window))
+        Ok((call, window))
     }
 
     fn streaming_response<T>(
@@ -800,10 +855,18 @@ impl Client {
         let deadline = self.deadline(timeout);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
-            let (_call, mut rx, _) = self
-                .open(path, &metadata, deadline, Some(&payload), false)
+            let (tx, rx) = oneshot::channel();
+            let (_call, _) = self
+                .open(
+                    path,
+                    &metadata,
+                    deadline,
+                    Some(&payload),
+                    false,
+                    Inbox::single(tx),
+                )
                 .await?;
-            receive_one::<C>(&mut rx).await
+            receive_one::<C>(rx).await
         };
         traced(path, deadline, call).await
     }
@@ -818,8 +881,16 @@ impl Client {
         let deadline = self.deadline(timeout);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
-            let (call, rx, _) = self
-                .open(path, &metadata, deadline, Some(&payload), false)
+            let (tx, rx) = mpsc::unbounded_channel();
+            let (call, _) = self
+                .open(
+                    path,
+                    &metadata,
+                    deadline,
+                    Some(&payload),
+                    false,
+                    Inbox::Stream(tx),
+                )
                 .await?;
             Ok(Response::new(self.streaming_response(
                 call,
@@ -844,10 +915,11 @@ impl Client {
         let (stream, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
-            let (_call, mut rx) = self
-                .open_sending::<C, S>(path, &metadata, deadline, stream)
+            let (tx, rx) = oneshot::channel();
+            let _call = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single(tx))
                 .await?;
-            receive_one::<C>(&mut rx).await
+            receive_one::<C>(rx).await
         };
         traced(path, deadline, call).await
     }
@@ -865,8 +937,9 @@ impl Client {
         let (stream, metadata, timeout) = request.into_parts();
         let deadline = self.deadline(timeout);
         let call = async {
-            let (call, rx) = self
-                .open_sending::<C, S>(path, &metadata, deadline, stream)
+            let (tx, rx) = mpsc::unbounded_channel();
+            let call = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::Stream(tx))
                 .await?;
             Ok(Response::new(self.streaming_response(
                 call,
@@ -885,14 +958,17 @@ impl Client {
         metadata: &MetadataMap,
         deadline: Option<Instant>,
         stream: S,
-    ) -> Result<(ActiveCall, mpsc::UnboundedReceiver<Inbound>), Status>
+        inbox: Inbox,
+    ) -> Result<ActiveCall, Status>
     where
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
     {
-        let (mut call, rx, window) = self.open(path, metadata, deadline, None, true).await?;
+        let (mut call, window) = self
+            .open(path, metadata, deadline, None, true, inbox)
+            .await?;
         call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
-        Ok((call, rx))
+        Ok(call)
     }
 
     /// Sends the request stream's messages as the server's window allows, then the end of stream.
@@ -934,35 +1010,14 @@ impl Client {
     }
 }
 
-/// Receives a unary response: one message, then an OK status.
+/// Receives a single response: one message, then an OK status.
 async fn receive_one<C: Codec>(
-    rx: &mut mpsc::UnboundedReceiver<Inbound>,
+    rx: oneshot::Receiver<SingleResponse>,
 ) -> Result<Response<C::Decode>, Status> {
-    let mut message = None;
-    loop {
-        match rx.recv().await {
-            Some(Inbound::Message(bytes)) if message.is_none() => message = Some(bytes),
-            Some(Inbound::Message(_)) => {
-                return Err(Status::internal(
-                    "server sent more than one message on a unary response",
-                ))
-            }
-            Some(Inbound::Status(status)) if status.is_ok() => {
-                let Some(bytes) = message else {
-                    return Err(Status::internal(
-                        "server ended the call without a response message",
-                    ));
-                };
-                return Ok(Response::from_parts(
-                    C::decode(bytes)?,
-                    status.metadata().clone(),
-                ));
-            }
-            Some(Inbound::Status(status)) => return Err(status),
-            Some(Inbound::End) | None => {
-                return Err(Status::internal("call ended without a status"))
-            }
-        }
+    match rx.await {
+        Ok(Ok((bytes, trailers))) => Ok(Response::from_parts(C::decode(bytes)?, trailers)),
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(Status::internal("call ended without a status")),
     }
 }
 
@@ -972,9 +1027,12 @@ async fn traced<T>(
     deadline: Option<Instant>,
     call: impl Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
-    with_deadline(deadline, call)
-        .instrument(tracing::debug_span!("rpc.client", method = path))
-        .await
+    let span = tracing::debug_span!("rpc.client", method = path);
+    if span.is_disabled() {
+        // No subscriber wants it: skip the span's enter and exit on every poll.
+        return with_deadline(deadline, call).await;
+    }
+    with_deadline(deadline, call).instrument(span).await
 }
 
 async fn with_deadline<T>(

@@ -528,9 +528,12 @@ impl ServerConn {
             window,
         };
         let span = tracing::debug_span!("rpc.server", method = %path, peer = %self.peer);
-        let task = tokio::spawn(
-            run_call(Arc::clone(self), id, service, method, path, deadline, call).instrument(span),
-        );
+        let run = run_call(Arc::clone(self), id, service, method, path, deadline, call);
+        let task = if span.is_disabled() {
+            tokio::spawn(run)
+        } else {
+            tokio::spawn(run.instrument(span))
+        };
         if let Some(slot) = self.calls().get_mut(&id) {
             slot.task = Some(task.abort_handle());
         }

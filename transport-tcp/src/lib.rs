@@ -10,12 +10,23 @@
 //! ```
 //!
 //! # How frames travel
-//! Each frame goes as a 4-byte little-endian length and the frame. Senders
-//! encode straight into the connection's write buffer; one writer task sends
-//! whatever has accumulated with a single `write`, so frames from many
-//! concurrent calls leave in few syscalls. `TCP_NODELAY` is set. The reader
-//! reads into one buffer and hands each frame up as a [`bytes::Bytes`] slice of
-//! it: no allocation or copy per frame.
+//! Each frame goes as a 4-byte little-endian length and the frame;
+//! `TCP_NODELAY` is set. One writer at a time owns the socket, so frames
+//! never interleave:
+//!
+//! - **Inline when idle.** A sender that finds the socket idle, with the
+//!   reader caught up with the peer and nothing sent since (a call answering
+//!   the peer's last frame, one call at a time), encodes its frame and writes
+//!   it itself with a non-blocking `write`: no hand-over to another task.
+//! - **Batched when busy.** Otherwise the frame is encoded into the
+//!   connection's queue. A writer task, which yields once first so that the
+//!   other tasks made ready together queue theirs too, sends everything
+//!   queued with one `write`; frames sent meanwhile wait for the next. It also
+//!   finishes a frame the socket had no room for inline, before anything
+//!   queued behind it.
+//!
+//! The reader reads into one buffer and hands each frame up as a
+//! [`bytes::Bytes`] slice of it: no allocation or copy per frame.
 //!
 //! Frames over the connection's limit are dropped as they arrive, never
 //! buffered, and reported as [`TransportError::Oversized`].
@@ -32,6 +43,7 @@
 use std::io;
 use std::mem;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
@@ -42,7 +54,6 @@ use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
     TransportError, OVERSIZED_PREFIX_LEN,
 };
-use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -109,17 +120,23 @@ impl TcpTransport {
             .map(|a| format!("tcp://{a}"))
             .map_err(|e| TransportError::io("read peer address", e))?;
         let (read, write) = stream.into_split();
+        let received = Arc::new(AtomicBool::new(true));
         let shared = Arc::new(SinkShared {
             state: Mutex::new(SinkState {
-                buf: BytesMut::new(),
+                queued: BytesMut::new(),
+                unfinished: BytesMut::new(),
+                spare: BytesMut::new(),
+                writer: Writer::Idle,
                 closed: false,
                 failed: None,
                 waiters: Vec::new(),
             }),
+            socket: write,
             wake_writer: Notify::new(),
             high_water: self.write_high_water,
+            received: Arc::clone(&received),
         });
-        tokio::spawn(write_loop(Arc::clone(&shared), write));
+        tokio::spawn(write_loop(Arc::clone(&shared)));
         Ok(Connection {
             sink: Arc::new(TcpSink { shared }),
             source: Box::new(TcpSource {
@@ -127,6 +144,7 @@ impl TcpTransport {
                 buf: BytesMut::new(),
                 limits,
                 skip: 0,
+                received,
             }),
             peer,
         })
@@ -194,25 +212,156 @@ impl Listener for TcpFrameListener {
 
 struct SinkShared {
     state: Mutex<SinkState>,
+    /// Written by whoever [`SinkState::writer`] says owns it.
+    socket: OwnedWriteHalf,
     wake_writer: Notify,
     high_water: usize,
+    /// Set by the reader whenever it hands up a frame, cleared by each send;
+    /// see [`TcpSink::poll_send`].
+    received: Arc<AtomicBool>,
+}
+
+/// Who may write to the socket right now. Exactly one writer at a time, so
+/// frames never interleave; bytes leave in the order they were accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writer {
+    /// Nobody: nothing is queued or unfinished, and the next sender writes its
+    /// frame itself, straight from `poll_send`.
+    Idle,
+    /// A sender is writing its own frame from `poll_send`; frames sent
+    /// meanwhile queue.
+    Inline,
+    /// The writer task owns the socket until it finds nothing left to write.
+    Task,
 }
 
 struct SinkState {
-    /// Length-prefixed frames not yet handed to the socket.
-    buf: BytesMut,
+    /// Length-prefixed frames accepted and not yet taken by a writer.
+    queued: BytesMut,
+    /// The rest of a frame an inline write could not finish (the socket was
+    /// full): the writer task sends it before anything in `queued`.
+    unfinished: BytesMut,
+    /// A cleared buffer that keeps its capacity, for the next inline write.
+    spare: BytesMut,
+    writer: Writer,
     /// `close` was called: write what is queued, then shut down.
     closed: bool,
-    /// The writer failed; every later send fails with this.
+    /// A write failed; every later send fails with this.
     failed: Option<(io::ErrorKind, String)>,
     /// Senders waiting for room.
     waiters: Vec<Waker>,
+}
+
+impl SinkState {
+    fn failed_error(&self) -> Option<TransportError> {
+        let (kind, message) = self.failed.as_ref()?;
+        Some(TransportError::io(
+            "write to peer",
+            io::Error::new(*kind, message.clone()),
+        ))
+    }
+
+    /// Records a write error: every waiting and later sender fails with it.
+    fn fail(&mut self, error: &io::Error) {
+        self.failed = Some((error.kind(), error.to_string()));
+        self.queued = BytesMut::new();
+        self.unfinished = BytesMut::new();
+        for waiter in self.waiters.drain(..) {
+            waiter.wake();
+        }
+    }
+
+    /// Gives the socket to the writer task, which sends what is left.
+    fn hand_to_task(&mut self, wake_writer: &Notify) {
+        self.writer = Writer::Task;
+        wake_writer.notify_one();
+    }
 }
 
 impl SinkShared {
     fn lock(&self) -> std::sync::MutexGuard<'_, SinkState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Buffers larger than this are dropped after use rather than kept.
+    fn max_kept_capacity(&self) -> usize {
+        4 * self.high_water
+    }
+
+    /// Writes `frame` from the sender's own task: the socket was idle, so
+    /// this is the lowest-latency path (no hand-over to another task).
+    fn send_inline(
+        &self,
+        mut state: std::sync::MutexGuard<'_, SinkState>,
+        frame: &OutFrame<'_>,
+        prefix: u32,
+    ) -> Result<(), TransportError> {
+        state.writer = Writer::Inline;
+        let mut out = mem::take(&mut state.spare);
+        drop(state);
+        let encoding = ReleaseOnUnwind(self);
+        out.reserve(4 + frame.len());
+        out.put_u32_le(prefix);
+        frame.encode(&mut out);
+        mem::forget(encoding);
+        let written = try_write_all(&self.socket, &out);
+        let mut state = self.lock();
+        match written {
+            Ok(n) if n == out.len() => {
+                out.clear();
+                if out.capacity() <= self.max_kept_capacity() {
+                    state.spare = out;
+                }
+            }
+            Ok(n) => {
+                // The socket is full: the writer task finishes this frame
+                // (before anything queued meanwhile) once it has room.
+                out.advance(n);
+                state.unfinished = out;
+            }
+            Err(error) => {
+                state.fail(&error);
+                self.wake_writer.notify_one(); // it sees `failed` and ends
+                return Err(TransportError::io("write to peer", error));
+            }
+        }
+        if state.unfinished.is_empty() && state.queued.is_empty() && !state.closed {
+            state.writer = Writer::Idle;
+        } else {
+            state.hand_to_task(&self.wake_writer);
+        }
+        Ok(())
+    }
+}
+
+/// Gives the socket up if encoding an inline frame panics (a payload's
+/// `encode_payload` is user code), before any of it was written.
+struct ReleaseOnUnwind<'a>(&'a SinkShared);
+
+impl Drop for ReleaseOnUnwind<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        if state.queued.is_empty() && !state.closed {
+            state.writer = Writer::Idle;
+        } else {
+            state.hand_to_task(&self.0.wake_writer);
+        }
+    }
+}
+
+/// Writes as much of `bytes` as the socket takes without waiting.
+fn try_write_all(socket: &OwnedWriteHalf, bytes: &[u8]) -> io::Result<usize> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match socket.try_write(&bytes[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(written)
 }
 
 struct TcpSink {
@@ -226,16 +375,13 @@ impl FrameSink for TcpSink {
         frame: &OutFrame<'_>,
     ) -> Poll<Result<(), TransportError>> {
         let mut state = self.shared.lock();
-        if let Some((kind, message)) = &state.failed {
-            return Poll::Ready(Err(TransportError::io(
-                "write to peer",
-                io::Error::new(*kind, message.clone()),
-            )));
+        if let Some(error) = state.failed_error() {
+            return Poll::Ready(Err(error));
         }
         if state.closed {
             return Poll::Ready(Err(TransportError::Closed));
         }
-        if state.buf.len() >= self.shared.high_water {
+        if state.queued.len() >= self.shared.high_water {
             if !state.waiters.iter().any(|w| w.will_wake(cx.waker())) {
                 state.waiters.push(cx.waker().clone());
             }
@@ -247,20 +393,32 @@ impl FrameSink for TcpSink {
                 "frame of {len} bytes does not fit a u32 length"
             ))));
         };
-        let was_empty = state.buf.is_empty();
-        state.buf.reserve(4 + len);
-        state.buf.put_u32_le(prefix);
-        frame.encode(&mut state.buf);
-        drop(state);
-        if was_empty {
-            self.shared.wake_writer.notify_one();
+        let answers_peer = self.shared.received.swap(false, Ordering::Relaxed);
+        if state.writer == Writer::Idle {
+            if answers_peer {
+                return Poll::Ready(self.shared.send_inline(state, frame, prefix));
+            }
+            // Sent since the last frame received: likely one of several
+            // senders made ready together. Let the writer task send this
+            // frame, after those others queued theirs.
+            state.hand_to_task(&self.shared.wake_writer);
         }
+        // Someone is writing: queue, and the next write takes this frame
+        // along with every other queued by then.
+        state.queued.reserve(4 + len);
+        state.queued.put_u32_le(prefix);
+        frame.encode(&mut state.queued);
         Poll::Ready(Ok(()))
     }
 
     fn close(&self) {
-        self.shared.lock().closed = true;
-        self.shared.wake_writer.notify_one();
+        let mut state = self.shared.lock();
+        state.closed = true;
+        match state.writer {
+            // An inline writer hands over to the task when it finishes.
+            Writer::Inline => {}
+            Writer::Idle | Writer::Task => state.hand_to_task(&self.shared.wake_writer),
+        }
     }
 }
 
@@ -270,39 +428,77 @@ impl Drop for TcpSink {
     }
 }
 
-/// Hands whatever frames have accumulated to the socket, one `write` per batch.
-async fn write_loop(shared: Arc<SinkShared>, mut socket: OwnedWriteHalf) {
+/// Writes what inline senders could not: frames queued while the socket was
+/// busy, the rest of a frame the socket had no room for, and the shutdown on
+/// close. Before each batch it yields once, so that the tasks made ready
+/// with the sender that woke it queue their frames first and leave in the
+/// same `write`.
+async fn write_loop(shared: Arc<SinkShared>) {
     let mut batch = BytesMut::new();
     loop {
-        let closed = {
-            let mut state = shared.lock();
-            mem::swap(&mut state.buf, &mut batch);
-            for waiter in state.waiters.drain(..) {
-                waiter.wake();
+        // Wait until an inline sender or `close` hands the socket over.
+        loop {
+            let notified = shared.wake_writer.notified();
+            {
+                let state = shared.lock();
+                if state.failed.is_some() {
+                    return;
+                }
+                if state.writer == Writer::Task {
+                    break;
+                }
             }
-            state.closed
-        };
-        if batch.is_empty() {
-            if closed {
-                let _ = socket.shutdown().await;
+            notified.await;
+        }
+        loop {
+            tokio::task::yield_now().await;
+            let closed = {
+                let mut state = shared.lock();
+                if state.failed.is_some() {
+                    return;
+                }
+                if !state.unfinished.is_empty() {
+                    mem::swap(&mut state.unfinished, &mut batch);
+                } else {
+                    mem::swap(&mut state.queued, &mut batch);
+                    for waiter in state.waiters.drain(..) {
+                        waiter.wake();
+                    }
+                }
+                if batch.is_empty() && !state.closed {
+                    state.writer = Writer::Idle;
+                }
+                state.closed
+            };
+            if batch.is_empty() {
+                if closed {
+                    // Every accepted frame is out: the peer sees end-of-stream.
+                    let _ = socket2::SockRef::from(shared.socket.as_ref())
+                        .shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+                break;
+            }
+            if let Err(error) = write_all(&shared.socket, &batch).await {
+                shared.lock().fail(&error);
                 return;
             }
-            shared.wake_writer.notified().await;
-            continue;
-        }
-        if let Err(error) = socket.write_all(&batch).await {
-            let mut state = shared.lock();
-            state.failed = Some((error.kind(), error.to_string()));
-            for waiter in state.waiters.drain(..) {
-                waiter.wake();
+            batch.clear();
+            if batch.capacity() > shared.max_kept_capacity() {
+                batch = BytesMut::new(); // after a huge frame, do not keep its buffer forever
             }
-            return;
-        }
-        batch.clear();
-        if batch.capacity() > 4 * shared.high_water {
-            batch = BytesMut::new(); // after a huge frame, do not keep its buffer forever
         }
     }
+}
+
+/// Writes all of `bytes`, waiting for room in the socket as needed.
+async fn write_all(socket: &OwnedWriteHalf, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        socket.writable().await?;
+        let n = try_write_all(socket, bytes)?;
+        bytes = &bytes[n..];
+    }
+    Ok(())
 }
 
 const READ_CHUNK: usize = 64 * 1024;
@@ -313,6 +509,8 @@ struct TcpSource {
     limits: FrameLimits,
     /// Bytes of an oversized frame still to drop.
     skip: usize,
+    /// Shared with the sink: set for every frame handed up.
+    received: Arc<AtomicBool>,
 }
 
 impl FrameSource for TcpSource {
@@ -338,6 +536,11 @@ impl FrameSource for TcpSource {
                     return Poll::Ready(Err(TransportError::Oversized { len, max, prefix }));
                 }
                 if len <= max && self.buf.len() >= 4 + len {
+                    // More bytes already here mean more frames, so more
+                    // senders to come: only a reader that has caught up with
+                    // the peer lets the next send go inline.
+                    self.received
+                        .store(self.buf.len() == 4 + len, Ordering::Relaxed);
                     self.buf.advance(4);
                     return Poll::Ready(Ok(Some(self.buf.split_to(len).freeze())));
                 }

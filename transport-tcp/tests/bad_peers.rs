@@ -270,3 +270,102 @@ async fn client_that_goes_silent_has_its_handlers_cancelled() {
     drop(raw);
     server.stop().await;
 }
+
+/// A fake server that answers the first call it reads with the frames `reply` builds for its id.
+async fn fake_unary_server(reply: fn(u64) -> Vec<Bytes>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let request = read_frame(&mut socket).await.unwrap();
+        for frame in reply(request.call_id) {
+            socket.write_all(&with_prefix(&frame)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    address
+}
+
+async fn unary_against(address: &str) -> Result<Bytes, rpc_core::Status> {
+    transport_tcp::install();
+    let client = Client::new(Channel::connect(address).await.unwrap());
+    let call =
+        client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")));
+    tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("no hang")
+        .map(|response| response.into_inner())
+}
+
+fn message(id: u64, payload: &'static [u8]) -> Bytes {
+    let payload = Bytes::from_static(payload);
+    OutFrame::control(id, OutBody::Message, false)
+        .with_payload(&payload)
+        .to_bytes()
+}
+
+fn status(id: u64, status: &rpc_core::Status, payload: Option<&'static [u8]>) -> Bytes {
+    let payload = payload.map(Bytes::from_static);
+    OutFrame::new(
+        id,
+        OutBody::Status(status),
+        payload.as_ref().map(|p| p as _),
+        false,
+    )
+    .unwrap()
+    .to_bytes()
+}
+
+#[tokio::test]
+async fn unary_answer_in_a_message_frame_then_an_ok_status_is_accepted() {
+    let address = fake_unary_server(|id| {
+        vec![
+            message(id, b"reply"),
+            status(id, &rpc_core::Status::ok(""), None),
+        ]
+    })
+    .await;
+    assert_eq!(unary_against(&address).await.unwrap(), "reply");
+}
+
+#[tokio::test]
+async fn unary_answer_with_two_messages_fails_the_call() {
+    let address = fake_unary_server(|id| {
+        vec![
+            message(id, b"one"),
+            status(id, &rpc_core::Status::ok(""), Some(b"two")),
+        ]
+    })
+    .await;
+    let status = unary_against(&address).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status}");
+    assert!(
+        status.message().contains("more than one message"),
+        "{status}"
+    );
+}
+
+#[tokio::test]
+async fn unary_answer_without_a_message_fails_the_call() {
+    let address = fake_unary_server(|id| vec![status(id, &rpc_core::Status::ok(""), None)]).await;
+    let status = unary_against(&address).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status}");
+    assert!(
+        status.message().contains("without a response message"),
+        "{status}"
+    );
+}
+
+#[tokio::test]
+async fn unary_error_status_reaches_the_caller_even_after_a_message() {
+    let address = fake_unary_server(|id| {
+        vec![
+            message(id, b"partial"),
+            status(id, &rpc_core::Status::not_found("no such thing"), None),
+        ]
+    })
+    .await;
+    let status = unary_against(&address).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status}");
+    assert_eq!(status.message(), "no such thing");
+}

@@ -1,0 +1,234 @@
+//! The TCP sink's write path: frames written inline by their sender when the
+//! socket is idle, queued and batched when it is busy. Whatever path a frame
+//! takes, it reaches the peer whole and in order, back-pressure holds, a
+//! broken connection fails its senders, and close sends everything first.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
+use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport};
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use transport_tcp::TcpTransport;
+
+const LIMITS: FrameLimits = FrameLimits {
+    max_frame_len: 64 << 20,
+};
+
+/// A sink connected to a plain socket the test reads from.
+async fn connect(transport: TcpTransport) -> (Connection, TcpStream) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let authority = listener.local_addr().unwrap().to_string();
+    let (connection, accepted) = tokio::join!(transport.connect(&authority, LIMITS), async {
+        listener.accept().await.unwrap().0
+    });
+    (connection.unwrap(), accepted)
+}
+
+/// A payload naming its sender and sequence number, `len` bytes long (at least 8).
+fn payload(sender: u32, seq: u32, len: usize) -> Bytes {
+    let mut bytes = BytesMut::with_capacity(len);
+    bytes.put_u32_le(sender);
+    bytes.put_u32_le(seq);
+    bytes.put_bytes((seq % 251) as u8, len - 8);
+    bytes.freeze()
+}
+
+/// Sends one message frame for call `sender` carrying `payload`.
+async fn send(sink: &dyn FrameSink, sender: u32, payload: &Bytes) -> Result<(), String> {
+    let frame = OutFrame::control(u64::from(sender), OutBody::Message, false).with_payload(payload);
+    sink.send(&frame).await.map_err(|e| e.to_string())
+}
+
+/// Reads one length-prefixed frame; `None` at end-of-stream.
+async fn read_frame(socket: &mut TcpStream) -> Option<Frame> {
+    let mut len = [0u8; 4];
+    socket.read_exact(&mut len).await.ok()?;
+    let mut frame = vec![0u8; u32::from_le_bytes(len) as usize];
+    socket
+        .read_exact(&mut frame)
+        .await
+        .expect("a frame is never cut short");
+    Some(Frame::decode(frame.into()).expect("frames arrive whole, never interleaved"))
+}
+
+/// Checks that `frame` is message `seq` of `sender`, intact.
+fn check(frame: &Frame, sender: u32, seq: u32, len: usize) {
+    assert!(matches!(frame.body, FrameBody::Message), "{frame:?}");
+    assert_eq!(frame.call_id, u64::from(sender));
+    let got = frame.payload.as_ref().expect("a payload");
+    assert_eq!(got.len(), len, "sender {sender} message {seq}");
+    assert_eq!(
+        got[..],
+        payload(sender, seq, len)[..],
+        "sender {sender} message {seq}"
+    );
+}
+
+fn size_of(seq: u32) -> usize {
+    // Mostly small, now and then large enough to fill the socket mid-frame.
+    if seq % 97 == 0 {
+        300_000
+    } else {
+        8 + (seq as usize * 37) % 3000
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_senders_frames_arrive_whole_and_in_order() {
+    const SENDERS: u32 = 8;
+    const EACH: u32 = 400;
+    let (connection, mut peer) = connect(TcpTransport::default().write_high_water(16 << 10)).await;
+    let sink = Arc::clone(&connection.sink);
+    let mut senders = Vec::new();
+    for sender in 0..SENDERS {
+        let sink = Arc::clone(&sink);
+        senders.push(tokio::spawn(async move {
+            for seq in 0..EACH {
+                send(&*sink, sender, &payload(sender, seq, size_of(seq)))
+                    .await
+                    .unwrap();
+                if seq % 7 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    let mut next = [0u32; SENDERS as usize];
+    for _ in 0..SENDERS * EACH {
+        let frame = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut peer))
+            .await
+            .expect("no stall")
+            .expect("no early end-of-stream");
+        let sender = frame.call_id as u32;
+        let seq = next[sender as usize];
+        check(&frame, sender, seq, size_of(seq));
+        next[sender as usize] += 1;
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn frame_the_socket_cut_short_is_finished_before_queued_frames() {
+    let (connection, mut peer) = connect(TcpTransport::default()).await;
+    let sink = Arc::clone(&connection.sink);
+    // The peer reads nothing yet: this frame is far more than the socket
+    // takes, so its sender writes part of it and the writer task the rest.
+    let big = 48 << 20;
+    send(&*sink, 1, &payload(1, 0, big)).await.unwrap();
+    // These queue behind the unfinished frame.
+    for seq in 1..=20 {
+        send(&*sink, 1, &payload(1, seq, 100)).await.unwrap();
+    }
+    let frame = read_frame(&mut peer).await.unwrap();
+    check(&frame, 1, 0, big);
+    for seq in 1..=20 {
+        check(&read_frame(&mut peer).await.unwrap(), 1, seq, 100);
+    }
+}
+
+#[tokio::test]
+async fn back_pressure_holds_senders_until_the_peer_reads() {
+    let (connection, mut peer) = connect(TcpTransport::default().write_high_water(64 << 10)).await;
+    let sink = Arc::clone(&connection.sink);
+    // The peer reads nothing: sends are accepted until the socket and the
+    // 64 KiB of queue are full, then they wait.
+    let mut sent = 0u32;
+    loop {
+        let message = payload(1, sent, 1024);
+        let sending = send(&*sink, 1, &message);
+        match tokio::time::timeout(Duration::from_millis(200), sending).await {
+            Ok(result) => result.unwrap(),
+            Err(_) => break, // this frame was not accepted
+        }
+        sent += 1;
+        assert!(sent < 200_000, "200 MB accepted without the peer reading");
+    }
+    // Once the peer reads, the sender goes on.
+    let sender = {
+        let sink = Arc::clone(&sink);
+        tokio::spawn(async move {
+            for seq in sent..sent + 100 {
+                send(&*sink, 1, &payload(1, seq, 1024)).await.unwrap();
+            }
+        })
+    };
+    for seq in 0..sent + 100 {
+        check(&read_frame(&mut peer).await.unwrap(), 1, seq, 1024);
+    }
+    sender.await.unwrap();
+}
+
+#[tokio::test]
+async fn peer_reset_fails_the_waiting_sender_and_later_ones() {
+    let (connection, peer) = connect(TcpTransport::default().write_high_water(64 << 10)).await;
+    let sink = Arc::clone(&connection.sink);
+    let waiting = {
+        let sink = Arc::clone(&sink);
+        tokio::spawn(async move {
+            let mut seq = 0;
+            loop {
+                if let Err(error) = send(&*sink, 1, &payload(1, seq, 1024)).await {
+                    return (seq, error);
+                }
+                seq += 1;
+            }
+        })
+    };
+    // Let the sender fill everything and wait for room, then reset.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the sender waits while the peer does not read"
+    );
+    socket2::SockRef::from(&peer)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(peer);
+    let (sent, error) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiting sender is woken")
+        .unwrap();
+    assert!(sent > 0);
+    assert!(error.contains("write to peer"), "{error}");
+    let later = send(&*sink, 1, &payload(1, 0, 64)).await.unwrap_err();
+    assert!(later.contains("write to peer"), "{later}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_sends_every_accepted_frame_then_end_of_stream() {
+    let (connection, mut peer) = connect(TcpTransport::default()).await;
+    let sink = Arc::clone(&connection.sink);
+    let mut senders = Vec::new();
+    for sender in 0..4 {
+        let sink = Arc::clone(&sink);
+        senders.push(tokio::spawn(async move {
+            for seq in 0..200 {
+                send(&*sink, sender, &payload(sender, seq, size_of(seq)))
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    sink.close();
+    let refused = send(&*sink, 9, &payload(9, 0, 64)).await.unwrap_err();
+    assert!(refused.contains("closed"), "{refused}");
+    let mut next = [0u32; 4];
+    while let Some(frame) = read_frame(&mut peer).await {
+        let sender = frame.call_id as u32;
+        let seq = next[sender as usize];
+        check(&frame, sender, seq, size_of(seq));
+        next[sender as usize] += 1;
+    }
+    assert_eq!(
+        next, [200; 4],
+        "every accepted frame arrived before end-of-stream"
+    );
+}
