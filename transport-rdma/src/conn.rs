@@ -33,10 +33,12 @@ use rpc_core::transport::{
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
+use crate::device_events::{self, Placement, Target};
 use crate::proto::{
     self, Assembled, CreditWindow, Delivery, Header, Hello, Kind, Reassembly, RecvRing,
     RegionReader, RegionWriter, Route, FIRST, HEADER_LEN, LAST,
 };
+use crate::verbs::DeviceId;
 use crate::verbs::{
     Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
     QpCapabilities, QueuePair, RemoteRegion, WorkCompletion,
@@ -326,8 +328,9 @@ struct State {
 }
 
 struct Shared {
-    // Declared before `mem`: the QP inside is destroyed before the memory.
+    // Declared before `cq` and `mem`: the QP inside is destroyed first.
     state: Mutex<State>,
+    cq: CompletionQueue,
     mem: Buffers,
     released: Mutex<Vec<u32>>,
     wake_task: Notify,
@@ -546,6 +549,34 @@ impl State {
         Ok(())
     }
 
+    /// Handles every completion waiting in the CQ, then posts what they
+    /// allow; returns how many. Polled under the state lock, so completions
+    /// are handled in the device's order whoever polls (the driver, or a
+    /// receiver looking for its next frame).
+    fn drain_cq(&mut self, cq: &CompletionQueue, mem: &Buffers) -> usize {
+        let mut batch = [WorkCompletion::default(); 32];
+        let mut total = 0;
+        loop {
+            let n = match cq.poll_batch(&mut batch) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.fail(format!("polling the completion queue: {e}"));
+                    return total;
+                }
+            };
+            total += n;
+            for wc in &batch[..n] {
+                self.on_completion(mem, wc);
+            }
+            if n < batch.len() {
+                if total > 0 {
+                    self.pump(mem);
+                }
+                return total;
+            }
+        }
+    }
+
     /// A receive completed in `slot` with `byte_len` bytes.
     fn on_receive(&mut self, mem: &Buffers, slot: u32, byte_len: usize) -> Result<(), String> {
         let range = mem.recv_slot(slot);
@@ -761,6 +792,7 @@ impl Drop for RdmaSink {
 
 struct RdmaSource {
     shared: Arc<Shared>,
+    spin: BusyPoll,
 }
 
 impl FrameSource for RdmaSource {
@@ -775,9 +807,20 @@ impl FrameSource for RdmaSource {
                 if let Some(e) = st.error() {
                     break Err(e);
                 }
+                // Look in the CQ before waiting for the driver: a frame
+                // that is already there is not delayed by a wake-up (and
+                // this task does not wake itself for it).
+                st.recv_waker = None;
+                if st.drain_cq(&shared.cq, mem) > 0 {
+                    continue;
+                }
                 st.recv_waker = Some(cx.waker().clone());
                 // Return what the chunks handled above freed.
                 st.pump(mem);
+                drop(st);
+                if self.spin.keep_polling() {
+                    cx.waker().wake_by_ref();
+                }
                 return Poll::Pending;
             };
             match arrived {
@@ -855,7 +898,46 @@ impl FrameSource for RdmaSource {
             }
         };
         st.pump(mem);
+        drop(st);
+        self.spin.reset();
         Poll::Ready(result)
+    }
+}
+
+/// The receiver's busy-poll window ([`RdmaTransport::busy_poll`]): after
+/// the last frame, for `window`, a receiver that finds nothing asks to be
+/// polled again at once (letting the runtime's other tasks run in between)
+/// instead of waiting for the completion channel's event.
+struct BusyPoll {
+    window: Option<Duration>,
+    idle_since: Option<Instant>,
+    polls: u32,
+}
+
+impl BusyPoll {
+    fn new(window: Option<Duration>) -> Self {
+        Self {
+            window,
+            idle_since: None,
+            polls: 0,
+        }
+    }
+
+    /// Whether to poll again rather than wait for an event.
+    fn keep_polling(&mut self) -> bool {
+        let Some(window) = self.window else {
+            return false;
+        };
+        // Reading the clock can be a system call (it is in an emulated
+        // guest): look at it every few polls only.
+        self.polls = self.polls.wrapping_add(1);
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        self.polls % 16 != 0 || since.elapsed() < window
+    }
+
+    fn reset(&mut self) {
+        self.idle_since = None;
+        self.polls = 0;
     }
 }
 
@@ -878,13 +960,40 @@ impl Drop for RdmaSource {
     }
 }
 
-static LIVE: Mutex<Vec<std::sync::Weak<Shared>>> = Mutex::new(Vec::new());
+/// Every connection started, with where it sits on its device (for
+/// [`fail_on_device`]); dead entries are swept at each start.
+static LIVE: Mutex<Vec<(std::sync::Weak<Shared>, Placement)>> = Mutex::new(Vec::new());
+
+/// Fails the live connections on `device` that `target` names (an async
+/// event's, see [`crate::device_events`]); returns how many were not failed
+/// yet.
+pub(crate) fn fail_on_device(device: DeviceId, target: Target, reason: &str) -> usize {
+    let hit: Vec<Arc<Shared>> = LIVE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|(_, placement)| placement.is_hit(device, target))
+        .filter_map(|(shared, _)| shared.upgrade())
+        .collect();
+    let mut failed = 0;
+    for shared in &hit {
+        let mut st = shared.lock();
+        if st.failed.is_none() {
+            failed += 1;
+            st.fail(reason.to_string());
+        }
+        drop(st);
+        // The driver disconnects and ends.
+        shared.wake_task.notify_one();
+    }
+    failed
+}
 
 /// A summary of every live connection's protocol state, for debugging stalls.
 pub(crate) fn debug_dump() -> String {
     let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
     let mut out = String::new();
-    for shared in live.iter().filter_map(std::sync::Weak::upgrade) {
+    for shared in live.iter().filter_map(|(shared, _)| shared.upgrade()) {
         let st = shared.lock();
         out += &format!(
             "{}: credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
@@ -941,6 +1050,9 @@ pub(crate) fn start(
         peer_addr,
     } = est;
     let cq_fd = register(CqFd(cc), "completion channel")?;
+    let placement = Placement::of(&id, &qp, &cq)
+        .map_err(|e| io_error("find the connection's device objects", e))?;
+    let watched = id.clone();
     let cm_fd = register(CmFd(id), "connection manager channel")?;
     let inline_max = cfg
         .inline_threshold
@@ -991,31 +1103,35 @@ pub(crate) fn start(
                 len: peer.region_len.into(),
             },
         },
+        cq: cq.clone(),
         released: Mutex::new(Vec::new()),
         wake_task: Notify::new(),
         peer: peer_addr.clone(),
     });
     {
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-        live.retain(|w| w.strong_count() > 0);
-        live.push(Arc::downgrade(&shared));
+        live.retain(|(w, _)| w.strong_count() > 0);
+        live.push((Arc::downgrade(&shared), placement));
     }
+    // After the connection is in `LIVE`: a starting watcher acts on the
+    // events that queued before it, this connection's included.
+    let watch = device_events::watch(&watched)?;
     cq.arm()
         .map_err(|e| io_error("arm the completion queue", e))?;
-    tokio::spawn(drive(
-        Arc::clone(&shared),
-        Driver {
-            cq,
-            cq_fd,
-            cm_fd,
-            busy_poll: cfg.busy_poll,
-        },
-    ));
+    let driver = drive(Arc::clone(&shared), Driver { cq, cq_fd, cm_fd });
+    tokio::spawn(async move {
+        // The device's event watcher runs while the driver does.
+        let _watch = watch;
+        driver.await
+    });
     Ok(Connection {
         sink: Arc::new(RdmaSink {
             shared: Arc::clone(&shared),
         }),
-        source: Box::new(RdmaSource { shared }),
+        source: Box::new(RdmaSource {
+            shared,
+            spin: BusyPoll::new(cfg.busy_poll),
+        }),
         peer: peer_addr,
     })
 }
@@ -1024,33 +1140,11 @@ struct Driver {
     cq: CompletionQueue,
     cq_fd: AsyncFd<CqFd>,
     cm_fd: AsyncFd<CmFd>,
-    busy_poll: Option<Duration>,
 }
 
 /// Handles every completion waiting in the CQ; returns how many.
-fn drain_cq(shared: &Shared, cq: &CompletionQueue) -> usize {
-    let mut batch = [WorkCompletion::default(); 32];
-    let mut total = 0;
-    loop {
-        let n = match cq.poll_batch(&mut batch) {
-            Ok(n) => n,
-            Err(e) => {
-                shared
-                    .lock()
-                    .fail(format!("polling the completion queue: {e}"));
-                return total;
-            }
-        };
-        if n == 0 {
-            return total;
-        }
-        total += n;
-        let mut st = shared.lock();
-        for wc in &batch[..n] {
-            st.on_completion(&shared.mem, wc);
-        }
-        st.pump(&shared.mem);
-    }
+fn drain_cq(shared: &Shared) -> usize {
+    shared.lock().drain_cq(&shared.cq, &shared.mem)
 }
 
 /// Reposts the slots the application released.
@@ -1079,18 +1173,8 @@ fn repost_released(shared: &Shared) {
 async fn drive(shared: Arc<Shared>, d: Driver) {
     let mut linger_since: Option<Instant> = None;
     loop {
-        drain_cq(&shared, &d.cq);
+        drain_cq(&shared);
         repost_released(&shared);
-        if let Some(window) = d.busy_poll {
-            let mut idle_since = Instant::now();
-            while idle_since.elapsed() < window && shared.lock().failed.is_none() {
-                if drain_cq(&shared, &d.cq) > 0 {
-                    idle_since = Instant::now();
-                } else {
-                    tokio::task::yield_now().await;
-                }
-            }
-        }
         {
             let st = shared.lock();
             if st.failed.is_some() || (st.disconnected && st.handles == 0) {
@@ -1139,7 +1223,7 @@ async fn drive(shared: Arc<Shared>, d: Driver) {
                         Ok(Some(event)) if event.ends_connection() => {
                             // What the peer sent before it went is in the CQ:
                             // take it first (its `Close`, its last frames).
-                            drain_cq(&shared, &d.cq);
+                            drain_cq(&shared);
                             let mut st = shared.lock();
                             if st.peer_gone {
                                 // Orderly: the peer said Close first; what

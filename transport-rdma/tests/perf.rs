@@ -1,11 +1,19 @@
-//! Rough numbers on the device, printed for comparison with perftest in the
-//! same guest (`cargo xtask rxe-baseline`): small-call round trip and 4 MiB
-//! throughput, raw frames and RPC calls. Asserts only that everything
-//! arrives; the numbers are for reading (`--nocapture`).
+//! Numbers on the device, for reading next to perftest run in the same
+//! guest boot (`ib_send_lat`, `ib_send_lat -e`, `ib_write_bw`): small-frame
+//! and small-call round trips, and 4 MiB throughput one way, each with
+//! event-driven completions (the default) and with a busy-poll window.
+//! Asserts only that everything arrives; the numbers are for reading
+//! (`--nocapture`). Run it in release:
+//!
+//! ```text
+//! cargo test -p transport-rdma --release --test perf --no-run
+//! cargo xtask rxe -- target/release/deps/perf-<hash> --ignored --nocapture
+//! ```
 
 mod common;
 
 use std::future::poll_fn;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -21,36 +29,64 @@ mod support;
 const LIMITS: FrameLimits = FrameLimits {
     max_frame_len: 64 << 20,
 };
+const BIG: usize = 4 << 20;
+const BIG_COUNT: usize = 16;
+const BUSY_POLL: Duration = Duration::from_micros(50);
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+/// The two completion modes measured.
+fn modes() -> [(&'static str, RdmaTransport); 2] {
+    [
+        ("events", RdmaTransport::default()),
+        (
+            "busy-poll 50us",
+            RdmaTransport::default().busy_poll(Some(BUSY_POLL)),
+        ),
+    ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn round_trip_and_throughput() {
-    let env = TestEnv::from_env();
-    for busy in [None, Some(Duration::from_micros(50))] {
-        let cfg = RdmaTransport::default().busy_poll(busy);
-        let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
-        let (client, server) = tokio::join!(
-            cfg.connect(&target, LIMITS),
-            poll_fn(|cx| listener.poll_accept(cx))
-        );
-        let (mut client, mut server) = (client.unwrap(), server.unwrap());
-        let echo = tokio::spawn(async move {
-            while let Ok(Some(frame)) = server.source.recv().await {
-                let body = frame.slice(rpc_core::frame::HEAD_LEN..);
-                let out = OutFrame::new(0, OutBody::Message, Some(&body), false).unwrap();
-                if server.sink.send(&out).await.is_err() {
-                    break;
-                }
+fn summary(mut rtts: Vec<Duration>) -> String {
+    rtts.sort();
+    let at = |p: f64| rtts[((rtts.len() as f64 * p) as usize).min(rtts.len() - 1)];
+    format!(
+        "min {:.1} us, median {:.1} us, p99 {:.1} us ({} round trips)",
+        at(0.0).as_secs_f64() * 1e6,
+        at(0.5).as_secs_f64() * 1e6,
+        at(0.99).as_secs_f64() * 1e6,
+        rtts.len()
+    )
+}
+
+fn rate(bytes: usize, took: Duration) -> String {
+    format!(
+        "{:.1} MB/s ({} x 4 MiB in {:.2} s)",
+        bytes as f64 / took.as_secs_f64() / 1e6,
+        bytes / BIG,
+        took.as_secs_f64()
+    )
+}
+
+/// Frames straight through the transport: a peer that answers every frame
+/// with a 2-byte one.
+async fn frames(env: &TestEnv, mode: &str, cfg: &RdmaTransport) {
+    let (mut listener, target) = env.listen_here(cfg, LIMITS).await;
+    let (client, server) = tokio::join!(
+        cfg.connect(&target, LIMITS),
+        poll_fn(|cx| listener.poll_accept(cx))
+    );
+    let (mut client, mut server) = (client.unwrap(), server.unwrap());
+    let small = Bytes::from_static(b"hi");
+    let answer = tokio::spawn(async move {
+        while let Ok(Some(_frame)) = server.source.recv().await {
+            let out = OutFrame::new(0, OutBody::Message, Some(&small), false).unwrap();
+            if server.sink.send(&out).await.is_err() {
+                break;
             }
-        });
-        // Round trips of a 2-byte payload (a 22-byte frame).
+        }
+    });
+    let measure = tokio::spawn(async move {
         let small = Bytes::from_static(b"hi");
         let mut rtts = Vec::new();
-        for i in 0..600 {
+        for i in 0..1100 {
             let started = Instant::now();
             let out = OutFrame::new(i, OutBody::Message, Some(&small), false).unwrap();
             client.sink.send(&out).await.unwrap();
@@ -59,68 +95,139 @@ async fn round_trip_and_throughput() {
                 rtts.push(started.elapsed());
             }
         }
-        rtts.sort();
-        println!(
-            "frames, busy_poll {busy:?}: 2-byte payload round trip: min {:?} median {:?} p99 {:?}",
-            rtts[0],
-            percentile(&rtts, 0.5),
-            percentile(&rtts, 0.99)
-        );
-        // 4 MiB frames one way, echoed back: bytes moved / time, both ways.
-        let big = Bytes::from(vec![7u8; 4 << 20]);
-        let n = 8;
+        // 4 MiB frames one way, back to back; each answered by 2 bytes.
+        let big = Bytes::from(vec![7u8; BIG]);
         let started = Instant::now();
-        for i in 0..n {
-            let out = OutFrame::new(i, OutBody::Message, Some(&big), false).unwrap();
-            client.sink.send(&out).await.unwrap();
-            let back = client.source.recv().await.unwrap().unwrap();
-            assert_eq!(back.len(), out.len());
-        }
-        let secs = started.elapsed().as_secs_f64();
-        println!(
-            "frames, busy_poll {busy:?}: 4 MiB echo: {:.1} MB/s each way ({n} round trips in {secs:.2} s)",
-            (n as f64 * (4 << 20) as f64) / secs / 1e6
-        );
+        let send = async {
+            for i in 0..BIG_COUNT {
+                let out = OutFrame::new(i as u64, OutBody::Message, Some(&big), false).unwrap();
+                client.sink.send(&out).await.unwrap();
+            }
+        };
+        let acks = async {
+            let mut source = client.source;
+            for _ in 0..BIG_COUNT {
+                source.recv().await.unwrap().unwrap();
+            }
+        };
+        tokio::join!(send, acks);
+        let took = started.elapsed();
         client.sink.close();
-        drop(client);
-        let _ = echo.await;
+        (rtts, took)
+    });
+    let (rtts, took) = measure.await.unwrap();
+    println!("perf: frames, {mode}: 2-byte payload: {}", summary(rtts));
+    println!(
+        "perf: frames, {mode}: 4 MiB one way: {}",
+        rate(BIG * BIG_COUNT, took)
+    );
+    answer.await.unwrap();
+}
+
+/// Where the inline threshold should sit: frame round trips by size, sent
+/// inline (SEND into a ring slot) and through the region (RDMA WRITE, then
+/// a SEND), busy-polling so that completion wake-ups do not drown the
+/// difference.
+async fn threshold(env: &TestEnv) {
+    for size in [256usize, 1024, 2048, 4096, 8000] {
+        let mut medians = Vec::new();
+        for cfg in [
+            RdmaTransport::default(),
+            RdmaTransport::default().inline_threshold(0),
+        ] {
+            let cfg = cfg.busy_poll(Some(BUSY_POLL));
+            let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
+            let (client, server) = tokio::join!(
+                cfg.connect(&target, LIMITS),
+                poll_fn(|cx| listener.poll_accept(cx))
+            );
+            let (mut client, mut server) = (client.unwrap(), server.unwrap());
+            let echo = tokio::spawn(async move {
+                while let Ok(Some(frame)) = server.source.recv().await {
+                    let body = frame.slice(rpc_core::frame::HEAD_LEN..);
+                    let out = OutFrame::new(0, OutBody::Message, Some(&body), false).unwrap();
+                    if server.sink.send(&out).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            let payload = Bytes::from(vec![3u8; size]);
+            let measure = tokio::spawn(async move {
+                let mut rtts = Vec::new();
+                for i in 0..400 {
+                    let started = Instant::now();
+                    let out = OutFrame::new(i, OutBody::Message, Some(&payload), false).unwrap();
+                    client.sink.send(&out).await.unwrap();
+                    let back = client.source.recv().await.unwrap().unwrap();
+                    assert_eq!(back.len(), out.len());
+                    if i >= 100 {
+                        rtts.push(started.elapsed());
+                    }
+                }
+                client.sink.close();
+                rtts.sort();
+                rtts[rtts.len() / 2]
+            });
+            medians.push(measure.await.unwrap());
+            echo.await.unwrap();
+        }
+        println!(
+            "perf: threshold, {size} B payload echo, busy-poll: inline median {:.1} us, region median {:.1} us",
+            medians[0].as_secs_f64() * 1e6,
+            medians[1].as_secs_f64() * 1e6
+        );
     }
-    // The same through rpc-core: unary Echo calls.
-    transport_rdma::install();
+}
+
+/// Calls through rpc-core: unary `Echo` of 2 bytes, and a client stream of
+/// 4 MiB messages (`Sum`, one small reply).
+async fn calls(env: &TestEnv, mode: &str, cfg: RdmaTransport) {
+    rpc_core::transport::register(Arc::new(cfg));
     let server = support::TestServer::start(&env.local_listen(), |b| b).await;
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
-    let mut rtts = Vec::new();
-    for i in 0..400 {
-        let started = Instant::now();
-        client
-            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")))
-            .await
-            .unwrap();
-        if i >= 100 {
-            rtts.push(started.elapsed());
+    let measure = tokio::spawn(async move {
+        let mut rtts = Vec::new();
+        for i in 0..1100 {
+            let started = Instant::now();
+            client
+                .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")))
+                .await
+                .unwrap();
+            if i >= 100 {
+                rtts.push(started.elapsed());
+            }
         }
-    }
-    rtts.sort();
-    println!(
-        "rpc: unary Echo 2 bytes: min {:?} median {:?} p99 {:?}",
-        rtts[0],
-        percentile(&rtts, 0.5),
-        percentile(&rtts, 0.99)
-    );
-    let big = Bytes::from(vec![7u8; 4 << 20]);
-    let n = 8;
-    let started = Instant::now();
-    for _ in 0..n {
+        let big = Bytes::from(vec![7u8; BIG]);
+        let stream = futures::stream::iter(vec![big; BIG_COUNT]);
+        let started = Instant::now();
         let reply = client
-            .unary::<BytesCodec>("/test.Test/Echo", Request::new(big.clone()))
+            .client_streaming::<BytesCodec, _>("/test.Test/Sum", Request::new(stream))
             .await
-            .unwrap();
-        assert_eq!(reply.get_ref().len(), big.len());
-    }
-    let secs = started.elapsed().as_secs_f64();
+            .unwrap()
+            .into_inner();
+        let took = started.elapsed();
+        let messages = u64::from_le_bytes(reply[..8].try_into().unwrap());
+        assert_eq!(messages, BIG_COUNT as u64);
+        (rtts, took)
+    });
+    let (rtts, took) = measure.await.unwrap();
+    println!("perf: rpc, {mode}: unary Echo 2 bytes: {}", summary(rtts));
     println!(
-        "rpc: unary Echo 4 MiB: {:.1} MB/s each way ({n} calls in {secs:.2} s)",
-        (n as f64 * (4 << 20) as f64) / secs / 1e6
+        "perf: rpc, {mode}: client stream of 4 MiB messages: {}",
+        rate(BIG * BIG_COUNT, took)
     );
     server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn round_trip_and_throughput() {
+    let env = TestEnv::from_env();
+    for (mode, cfg) in modes() {
+        frames(&env, mode, &cfg).await;
+    }
+    threshold(&env).await;
+    for (mode, cfg) in modes() {
+        calls(&env, mode, cfg).await;
+    }
 }

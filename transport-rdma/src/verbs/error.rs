@@ -166,6 +166,12 @@ pub enum Error {
     /// The operation needs the only handle to the object, and it is shared.
     #[error("the object is shared: this needs its only handle")]
     Shared,
+    /// `ibv_get_async_event` failed.
+    #[error("ibv_get_async_event failed: {0}")]
+    GetAsyncEvent(#[source] io::Error),
+    /// Making a device context's async event descriptor non-blocking failed.
+    #[error("making the async event descriptor non-blocking failed: {0}")]
+    AsyncEventFd(#[source] io::Error),
     /// Connection private data is longer than the connection manager carries.
     #[error("private data of {0} bytes is too long (at most {max})", max = u8::MAX)]
     PrivateDataTooLong(usize),

@@ -25,6 +25,7 @@
 //! on the channel's non-blocking file descriptor, completions by polling the
 //! completion queue.
 
+mod async_event;
 mod cm;
 mod cq;
 mod device;
@@ -35,6 +36,7 @@ mod qp;
 
 pub use rdma_sys as ffi;
 
+pub use async_event::{AsyncEvent, AsyncEventKind, AsyncEvents, CqId, DeviceId, EventElement};
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};

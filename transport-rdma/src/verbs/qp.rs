@@ -93,6 +93,13 @@ impl QueuePair {
         unsafe { (*self.id.as_ptr()).qp }
     }
 
+    /// The queue pair's number, as async events name it
+    /// ([`EventElement::Qp`](super::EventElement::Qp)).
+    pub fn qp_num(&self) -> u32 {
+        // SAFETY: the QP is live (destroyed only in Drop).
+        unsafe { (*self.raw()).qp_num }
+    }
+
     fn check_pd(&self, mr: &MemoryRegion) -> Result<()> {
         if Arc::ptr_eq(&self.pd, &mr.pd) {
             Ok(())
