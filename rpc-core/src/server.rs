@@ -429,10 +429,11 @@ impl ServerConn {
             }
             FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
             FrameBody::Ping => {
+                // Not sent when the sink is full: the frames filling it
+                // prove this side alive just as well.
                 let _ = self
                     .sink
-                    .send(&OutFrame::control(0, OutBody::Pong, false))
-                    .await;
+                    .try_send(&OutFrame::control(0, OutBody::Pong, false));
             }
             FrameBody::Pong => {}
             FrameBody::Status(_) => return Err("a client does not send Status frames".into()),
@@ -621,7 +622,9 @@ async fn serve_connection(
             }
             tick = timer.tick(received), if timer.enabled() => match tick {
                 Tick::Ping => {
-                    let _ = conn.sink.send(&OutFrame::control(0, OutBody::Ping, false)).await;
+                    // Never waits: with no room (a dead peer grants none),
+                    // the silence goes on and the next tick declares it dead.
+                    let _ = conn.sink.try_send(&OutFrame::control(0, OutBody::Ping, false));
                 }
                 Tick::Dead(silent) => {
                     tracing::info!(peer = %conn.peer, "client sent nothing for {silent:?}, not even a pong: closing");
@@ -631,7 +634,13 @@ async fn serve_connection(
             _ = shutdown.changed(), if !draining => {
                 draining = true;
                 let bye = Status::ok("server shutting down");
-                let _ = conn.sink.send(&OutFrame::control(0, OutBody::GoAway(&bye), false)).await;
+                if let Ok(false) = conn.sink.try_send(&OutFrame::control(0, OutBody::GoAway(&bye), false)) {
+                    // The sink is full: send it when there is room, reading on meanwhile.
+                    let sink = Arc::clone(&conn.sink);
+                    tokio::spawn(async move {
+                        let _ = sink.send(&OutFrame::control(0, OutBody::GoAway(&bye), false)).await;
+                    });
+                }
             }
             () = conn.idle.notified(), if draining => {}
         }
@@ -639,10 +648,10 @@ async fn serve_connection(
     if let Some(violation) = violation {
         tracing::warn!(peer = %conn.peer, "closing connection: protocol error: {violation}");
         let status = Status::internal(format!("protocol error: {violation}"));
+        // Best effort: a peer that broke the protocol is not waited for.
         let _ = conn
             .sink
-            .send(&OutFrame::control(0, OutBody::GoAway(&status), false))
-            .await;
+            .try_send(&OutFrame::control(0, OutBody::GoAway(&status), false));
     }
     tracing::debug!(peer = %conn.peer, "connection closed");
 }

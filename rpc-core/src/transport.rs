@@ -122,7 +122,8 @@ pub trait FrameSink: Send + Sync + 'static {
     ) -> Poll<Result<(), TransportError>>;
 
     /// Starts an orderly close: frames already accepted are still sent, then
-    /// the peer sees end-of-stream. Later sends fail with [`TransportError::Closed`].
+    /// the peer sees end-of-stream. Later sends, and sends waiting for room,
+    /// fail with [`TransportError::Closed`].
     fn close(&self);
 }
 
@@ -136,6 +137,19 @@ impl dyn FrameSink {
     /// Sends `frame`, waiting while the transport has no room.
     pub async fn send(&self, frame: &OutFrame<'_>) -> Result<(), TransportError> {
         std::future::poll_fn(|cx| self.poll_send(cx, frame)).await
+    }
+
+    /// Sends `frame` only if the transport takes it at once; `Ok(false)`
+    /// when it has no room. For the control frames a connection's reader
+    /// sends (pings, pongs, goaways): a reader that waited for room could
+    /// wait forever on a dead peer, and would stop reading meanwhile.
+    pub fn try_send(&self, frame: &OutFrame<'_>) -> Result<bool, TransportError> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match self.poll_send(&mut cx, frame) {
+            Poll::Ready(Ok(())) => Ok(true),
+            Poll::Ready(Err(e)) => Err(e),
+            Poll::Pending => Ok(false),
+        }
     }
 }
 

@@ -777,6 +777,8 @@ impl FrameSink for RdmaSink {
         let mut st = self.shared.lock();
         if !st.closing {
             st.closing = true;
+            // Senders waiting for credits or room fail now, as later ones do.
+            st.wake_senders();
             st.pump(&self.shared.mem);
         }
     }

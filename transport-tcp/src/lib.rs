@@ -414,6 +414,10 @@ impl FrameSink for TcpSink {
     fn close(&self) {
         let mut state = self.shared.lock();
         state.closed = true;
+        // Senders waiting for room fail now, as later ones do.
+        for waiter in state.waiters.drain(..) {
+            waiter.wake();
+        }
         match state.writer {
             // An inline writer hands over to the task when it finishes.
             Writer::Inline => {}

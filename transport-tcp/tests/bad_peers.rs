@@ -240,6 +240,53 @@ async fn server_that_stops_answering_fails_calls_through_keepalive() {
 }
 
 #[tokio::test]
+async fn server_that_stops_reading_fails_calls_through_keepalive() {
+    transport_tcp::install();
+    // Accepts, then neither reads nor answers: the client's socket and
+    // sink fill up, so its keepalive ping cannot be sent either.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    let stuck = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        std::future::pending::<()>().await;
+        drop(socket);
+    });
+    let fast = Duration::from_millis(100);
+    let channel = Endpoint::new(&address)
+        .unwrap()
+        .keepalive(fast, fast)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let started = std::time::Instant::now();
+    let calls = (0..64).map(|_| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .unary::<BytesCodec>(
+                    "/test.Test/Echo",
+                    Request::new(Bytes::from(vec![1u8; 1 << 20])),
+                )
+                .await
+        })
+    });
+    let results = tokio::time::timeout(Duration::from_secs(10), futures::future::join_all(calls))
+        .await
+        .expect("calls behind a full sink hang instead of failing through keepalive");
+    for result in results {
+        let status = result.unwrap().unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    stuck.abort();
+}
+
+#[tokio::test]
 async fn client_that_goes_silent_has_its_handlers_cancelled() {
     transport_tcp::install();
     let fast = Duration::from_millis(100);
