@@ -29,11 +29,10 @@
 //! the busy connection's sends sometimes fail first, with
 //! `IBV_WC_LOC_QP_OP_ERR` (rxe's transmit on the downed netdev), a few
 //! milliseconds before or after the event. Across the wire the server's
-//! keepalive closed the idle connection ~2.3 s after the calls ran
-//! (`client sent nothing for 2s, not even a pong`). The busy connection
-//! there was still open 3.5 s later (closed by the shutdown grace): its
-//! keepalive ping waits behind the sends the dead client never
-//! acknowledges, so only RC retry exhaustion would end it.
+//! keepalive closed both connections ~2.4 s after the calls ran
+//! (`client sent nothing for 2s, not even a pong`), the busy one too: its
+//! ping finds the sink full (the dead client grants no credits) and is
+//! skipped rather than waited for, so the silence is noticed.
 //!
 //! The RDMA work runs in child processes (the `child_*` tests, which do
 //! nothing unless the parent set their environment variable): on this
@@ -323,9 +322,16 @@ async fn start_server(
     keepalive: Option<Duration>,
 ) -> (Arc<Probes>, String, oneshot::Sender<()>, JoinHandle<()>) {
     let probes = Arc::new(Probes::default());
+    // Without keepalive, calls stuck on a connection cut off would keep a
+    // graceful stop waiting: do not wait for them. With keepalive, the
+    // cut connections must be gone by the stop (see `wire_server`).
+    let grace = if keepalive.is_some() {
+        Duration::from_secs(30)
+    } else {
+        Duration::from_secs(1)
+    };
     let mut builder = Server::builder()
-        // Calls stuck on a connection cut off: do not wait for them to stop.
-        .shutdown_grace(Duration::from_secs(1))
+        .shutdown_grace(grace)
         .add_service(TestService {
             probes: Arc::clone(&probes),
         })
@@ -583,10 +589,17 @@ async fn wire_server(address: &str) {
         "server: the handlers ended {:?} after the client's calls all ran",
         running.elapsed()
     );
+    // The busy connection's endless stream ends with its connection too:
+    // its keepalive ping finds the sink full (the dead client grants no
+    // credits), is not sent, and the silence declares the client dead. A
+    // graceful stop then has no call to wait for.
     let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), server)
+    tokio::time::timeout(Duration::from_secs(5), server)
         .await
-        .expect("the server stops")
+        .expect(
+            "the server still had calls in flight 5 s after the stop: the busy connection's \
+             endless stream outlived the cut",
+        )
         .unwrap();
 }
 
