@@ -4,8 +4,8 @@
 //! - `unary_mem`: one generated unary call over the in-process `mem://`
 //!   transport, the framework's own cost per call with no network.
 //!
-//! Ring/credit accounting is not here yet: it lives in `transport-rdma`,
-//! which is still being written.
+//! Ring/credit accounting (`transport-rdma`'s protocol core) is in
+//! `rdma_proto.rs`.
 //!
 //! Run with `cargo bench -p benches --bench micro`.
 

@@ -10,7 +10,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 
-use crate::{rpcbench, tcp_authority, tonicbench, Error, System, MAX_MESSAGE_SIZE};
+use crate::{rpcbench, tcp_authority, tonicbench, Call, Error, System, MAX_MESSAGE_SIZE};
 
 /// A connected client of one system's echo server. Cloning shares the
 /// connection (rdma-rpc's `Channel`, tonic's `Channel`); the raw system
@@ -56,26 +56,42 @@ impl Client {
     ///
     /// For [`Client::Raw`] use [`RawConnection`]: a raw call needs a connection of its own.
     pub async fn echo(&mut self, payload: &Bytes) -> Result<(), Error> {
-        let len = match self {
-            Client::Rpc(client) => {
-                let reply = client
-                    .echo(rpcbench::Payload {
-                        data: payload.clone(),
-                    })
-                    .await?;
+        self.call(Call::Echo, payload).await
+    }
+
+    /// Makes one unary call of `call` with `payload` and checks the reply's
+    /// length (the payload's for [`Call::Echo`], 0 for [`Call::Sink`]).
+    ///
+    /// For [`Client::Raw`] use [`RawConnection`]: a raw call needs a connection of its own.
+    pub async fn call(&mut self, call: Call, payload: &Bytes) -> Result<(), Error> {
+        let got = match (self, call) {
+            (Client::Rpc(client), call) => {
+                let request = rpcbench::Payload {
+                    data: payload.clone(),
+                };
+                let reply = match call {
+                    Call::Echo => client.echo(request).await?,
+                    Call::Sink => client.sink(request).await?,
+                };
                 reply.into_inner().data.len()
             }
-            Client::Tonic(client) => {
-                let reply = client
-                    .echo(tonicbench::Payload {
-                        data: payload.clone(),
-                    })
-                    .await?;
+            (Client::Tonic(client), call) => {
+                let request = tonicbench::Payload {
+                    data: payload.clone(),
+                };
+                let reply = match call {
+                    Call::Echo => client.echo(request).await?,
+                    Call::Sink => client.sink(request).await?,
+                };
                 reply.into_inner().data.len()
             }
-            Client::Raw(_) => return Err("raw calls go through RawConnection".into()),
+            (Client::Raw(_), _) => return Err("raw calls go through RawConnection".into()),
         };
-        check_len(len, payload.len())
+        let want = match call {
+            Call::Echo => payload.len(),
+            Call::Sink => 0,
+        };
+        check_len(got, want)
     }
 }
 

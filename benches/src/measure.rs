@@ -9,7 +9,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 
 use crate::client::{raw_frame, Client, RawConnection};
-use crate::Error;
+use crate::{Call, Error};
 
 /// How long each measurement runs.
 #[derive(Clone, Copy, Debug)]
@@ -91,18 +91,23 @@ impl Measure {
     /// Completed calls with `concurrency` unary calls kept in flight on one
     /// connection, counted over [`Measure::throughput_time`] after a warm-up.
     ///
-    /// rdma-rpc and tonic run one task per call slot, each calling in a loop
-    /// on a shared channel; the raw system pipelines frames on its connection.
+    /// rdma-rpc and tonic run one task per call slot, each calling `call` in
+    /// a loop on a shared channel; the raw system pipelines echoed frames on
+    /// its connection (it has no [`Call::Sink`]).
     pub async fn throughput(
         &self,
         client: &Client,
         payload_len: usize,
         concurrency: usize,
+        call: Call,
     ) -> Result<Throughput, Error> {
         let start = Instant::now();
         let count_from = start + self.warmup;
         let count_until = count_from + self.throughput_time;
         let calls = if let Client::Raw(authority) = client {
+            if call != Call::Echo {
+                return Err("the raw system only echoes".into());
+            }
             let conn = RawConnection::connect(authority, payload_len).await?;
             conn.pipeline(concurrency, count_from, count_until).await?
         } else {
@@ -114,7 +119,7 @@ impl Measure {
                     (client.clone(), payload.clone(), counted.clone());
                 tasks.push(tokio::spawn(async move {
                     while Instant::now() < count_until {
-                        client.echo(&payload).await?;
+                        client.call(call, &payload).await?;
                         let now = Instant::now();
                         if now >= count_from && now < count_until {
                             counted.fetch_add(1, Ordering::Relaxed);

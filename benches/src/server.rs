@@ -46,7 +46,8 @@ pub async fn start(system: System, address: &str) -> Result<(String, Serving), E
     }
 }
 
-/// rdma-rpc's echo: the reply is the request's payload (`Bytes`, no copy).
+/// rdma-rpc's echo: the reply is the request's payload (`Bytes`, no copy);
+/// `Sink` replies with an empty payload.
 #[derive(Debug, Clone, Copy)]
 pub struct RpcEcho;
 
@@ -57,9 +58,17 @@ impl rpcbench::bench_server::Bench for RpcEcho {
     ) -> Result<rpc_core::Response<rpcbench::Payload>, rpc_core::Status> {
         Ok(rpc_core::Response::new(request.into_inner()))
     }
+
+    async fn sink(
+        &self,
+        _request: rpc_core::Request<rpcbench::Payload>,
+    ) -> Result<rpc_core::Response<rpcbench::Payload>, rpc_core::Status> {
+        Ok(rpc_core::Response::new(rpcbench::Payload::default()))
+    }
 }
 
-/// tonic's echo: the reply is the request's payload (`Bytes`, no copy).
+/// tonic's echo: the reply is the request's payload (`Bytes`, no copy);
+/// `Sink` replies with an empty payload.
 #[derive(Debug, Clone, Copy)]
 pub struct TonicEcho;
 
@@ -70,6 +79,13 @@ impl tonicbench::bench_server::Bench for TonicEcho {
         request: tonic::Request<tonicbench::Payload>,
     ) -> Result<tonic::Response<tonicbench::Payload>, tonic::Status> {
         Ok(tonic::Response::new(request.into_inner()))
+    }
+
+    async fn sink(
+        &self,
+        _request: tonic::Request<tonicbench::Payload>,
+    ) -> Result<tonic::Response<tonicbench::Payload>, tonic::Status> {
+        Ok(tonic::Response::new(tonicbench::Payload::default()))
     }
 }
 

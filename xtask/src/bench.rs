@@ -1,10 +1,14 @@
-//! `cargo xtask bench`: the end-to-end benchmark.
+//! `cargo xtask bench`: the end-to-end benchmark, in two parts.
 //!
-//! Builds `bench-node` (crate `benches`) in release mode; for each system
-//! (rdma-rpc, tonic, raw TCP) starts a server process on a free port, runs a
-//! client process against it, and reads the client's result lines. Then
-//! prints the side-by-side table, checks the targets, and writes a markdown
-//! report and an SVG plot.
+//! Builds `bench-node` (crate `benches`) in release mode. The TCP part: for
+//! each system (rdma-rpc, tonic, raw TCP) starts a server process on a free
+//! port, runs a client process against it, and reads the client's result
+//! lines. The RDMA part ([`rdma`]): rdma-rpc over `rdma://` and perftest on
+//! the Soft-RoCE device, in one `cargo xtask rxe` guest. Each part prints
+//! its side-by-side tables, checks the targets, and writes its own section
+//! of the markdown report and its own SVG plot.
+
+mod rdma;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -13,16 +17,23 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
-use crate::{cargo, setup, workspace_root, BUILD_PACKAGES};
+use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
-  cargo xtask bench [--quick] [--rpc-addr URL] [--out DIR]
-    --quick         short measurements (about a minute of measuring); the
-                    report goes to target/bench/ unless --out is given
-    --rpc-addr URL  where rdma-rpc's server listens [tcp://127.0.0.1:0];
-                    an rdma:// address works once transport-rdma is installed
-                    in the benches crate (the comparators stay on TCP)
-    --out DIR       write benchmarks.md and benchmarks.svg into DIR
+  cargo xtask bench [--quick] [--tcp] [--rdma] [--rpc-addr URL] [--out DIR]
+    --quick         short measurements (about two minutes for the TCP part);
+                    the report goes to target/bench/ unless --out is given
+    --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
+    --rdma          run the RDMA part: rdma-rpc over rdma:// vs perftest on
+                    Soft-RoCE, in one qemu guest (`cargo xtask rxe`; about
+                    2 minutes with --quick, 5 to 6 without)
+                    [without --tcp or --rdma: both for a full run, the TCP
+                    part alone for --quick]
+    --rpc-addr URL  where the TCP part's rdma-rpc server listens
+                    [tcp://127.0.0.1:0] (the comparators stay on TCP)
+    --out DIR       write benchmarks.md, benchmarks.svg (TCP) and
+                    benchmarks-rdma.svg (RDMA) into DIR, replacing only the
+                    generated sections of the parts that ran
                     [docs/ for a full run, target/bench/ for --quick]";
 
 /// Payload sizes measured, in bytes.
@@ -31,7 +42,7 @@ const SIZES: [usize; 5] = [32, 1024, 64 << 10, 1 << 20, 16 << 20];
 const CONCURRENCY: [usize; 4] = [1, 16, 64, 256];
 /// Throughput runs with more payload bytes in flight than this are skipped.
 const MAX_INFLIGHT_BYTES: usize = 512 << 20;
-/// Marks the generated part of the report; text outside it is kept.
+/// Marks the TCP part's generated section of the report; text outside it is kept.
 const BEGIN: &str = "<!-- cargo xtask bench: generated from here -->";
 const END: &str = "<!-- cargo xtask bench: generated up to here -->";
 
@@ -72,9 +83,15 @@ impl System {
 
 struct Settings {
     quick: bool,
+    /// Run the TCP part.
+    tcp: bool,
+    /// Run the RDMA part.
+    rdma: bool,
     rpc_addr: String,
     out: PathBuf,
     client_args: Vec<String>,
+    /// `cargo xtask bench` and the arguments given, for the report.
+    command: String,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -96,11 +113,41 @@ struct Results {
 pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
     let settings = parse(args)?;
     setup::ensure_debian_packages(BUILD_PACKAGES)?;
+    // bench-node links transport-rdma (rdma-sys runs bindgen).
+    setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
     let started = Instant::now();
     eprintln!("xtask bench: building bench-node (release)");
     cargo(&["build", "--release", "-p", "benches", "--bin", "bench-node"])?;
-    let node = workspace_root().join("target/release/bench-node");
+    let node = target_dir().join("release/bench-node");
+    std::fs::create_dir_all(&settings.out)
+        .map_err(|e| format!("creating {}: {e}", settings.out.display()))?;
+    if settings.tcp {
+        tcp_part(&node, &settings)?;
+    }
+    if settings.rdma {
+        let part = rdma::run(&node, &settings)?;
+        write_part(
+            &settings,
+            rdma::SVG_NAME,
+            &part.svg,
+            &part.generated,
+            rdma::MARKERS,
+        )?;
+        println!("\n{}", part.tables);
+        if let Some(failed) = part.failed {
+            return Err(failed);
+        }
+    }
+    eprintln!(
+        "xtask bench: done in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
 
+/// The TCP part: every system on loopback, the systems taking turns size by size.
+fn tcp_part(node: &Path, settings: &Settings) -> Result<(), String> {
+    let started = Instant::now();
     // One result line per size for latency, and one per concurrency.
     let per_system = SIZES.len() * (1 + CONCURRENCY.len());
     let total = per_system * System::ALL.len();
@@ -114,44 +161,53 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
             System::Rpc => settings.rpc_addr.as_str(),
             System::Tonic | System::Raw => "tcp://127.0.0.1:0",
         };
-        servers.push((system, start_server(&node, system, listen)?));
+        servers.push((system, start_server(node, system, listen)?));
     }
     for size in SIZES {
         for (system, (_, addr)) in &servers {
             let run = ClientRun {
-                node: &node,
+                node,
                 system: *system,
                 addr,
                 size,
-                settings: &settings,
+                settings,
             };
             run.measure(&mut results, &mut done, total)?;
         }
     }
     drop(servers);
     eprintln!(
-        "xtask bench: measured in {:.0} s",
+        "xtask bench: TCP part measured in {:.0} s",
         started.elapsed().as_secs_f64()
     );
 
-    let command = if settings.quick {
-        "cargo xtask bench --quick".to_string()
-    } else {
-        "cargo xtask bench".to_string()
-    };
     let tables = tables(&results);
     let targets = targets(&results);
     println!("\n{tables}\n{targets}");
+    let generated = report(settings, &tables, &targets);
+    write_part(
+        settings,
+        "benchmarks.svg",
+        &svg(&results),
+        &generated,
+        (BEGIN, END),
+    )
+}
 
-    std::fs::create_dir_all(&settings.out)
-        .map_err(|e| format!("creating {}: {e}", settings.out.display()))?;
-    let svg_path = settings.out.join("benchmarks.svg");
-    std::fs::write(&svg_path, svg(&results))
-        .map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
+/// Writes a part's plot, and its section of `benchmarks.md` (between
+/// `markers`; the rest of the file is kept).
+fn write_part(
+    settings: &Settings,
+    svg_name: &str,
+    svg: &str,
+    generated: &str,
+    markers: (&str, &str),
+) -> Result<(), String> {
+    let svg_path = settings.out.join(svg_name);
+    std::fs::write(&svg_path, svg).map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
     let md_path = settings.out.join("benchmarks.md");
-    let generated = report(&settings, &command, &tables, &targets);
     let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
-    std::fs::write(&md_path, splice(&existing, &generated))
+    std::fs::write(&md_path, splice(&existing, generated, markers))
         .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
     eprintln!(
         "xtask bench: wrote {} and {}",
@@ -161,19 +217,35 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-fn parse(args: &[String]) -> Result<Settings, String> {
+/// Cargo's target directory: `$CARGO_TARGET_DIR` (relative to the workspace
+/// root, where `cargo` runs) or `target/`.
+fn target_dir() -> PathBuf {
+    let root = workspace_root();
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(|dir| root.join(dir))
+        .unwrap_or_else(|| root.join("target"))
+}
+
+fn parse(given: &[String]) -> Result<Settings, String> {
     let mut quick = false;
+    let (mut tcp, mut rdma) = (false, false);
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
-    let mut args = args.iter();
+    let mut args = given.iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => quick = true,
+            "--tcp" => tcp = true,
+            "--rdma" => rdma = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
             "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
+    }
+    if !tcp && !rdma {
+        tcp = true;
+        rdma = !quick;
     }
     let root = workspace_root();
     let out = out.unwrap_or_else(|| {
@@ -206,11 +278,18 @@ fn parse(args: &[String]) -> Result<Settings, String> {
     .into_iter()
     .flat_map(|(flag, value)| [flag.to_string(), value])
     .collect();
+    let command = std::iter::once("cargo xtask bench")
+        .chain(given.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join(" ");
     Ok(Settings {
         quick,
+        tcp,
+        rdma,
         rpc_addr,
         out,
         client_args,
+        command,
     })
 }
 
@@ -482,21 +561,7 @@ fn targets(results: &Results) -> String {
     let p50 = |system, size| results.latency.get(&(system, size)).map(|l| l.p50);
     let rate = |system, size| results.throughput.get(&(system, size, 64)).copied();
     let mut row = |target: String, measured: Option<f64>, limit: f64, at_most: bool| {
-        let (shown, verdict) = match measured {
-            None => ("–".to_string(), "not measured".to_string()),
-            Some(m) => {
-                let met = if at_most { m <= limit } else { m >= limit };
-                let verdict = if met {
-                    "met".to_string()
-                } else if at_most {
-                    format!("missed by {:.0} %", (m / limit - 1.0) * 100.0)
-                } else {
-                    format!("missed: {:.0} % of the goal", m / limit * 100.0)
-                };
-                (format!("{m:.2}×"), verdict)
-            }
-        };
-        let _ = writeln!(out, "| {target} | {shown} | {verdict} |");
+        target_row(&mut out, &target, measured, limit, at_most);
     };
     for size in [32, 1024, 64 << 10, 1 << 20] {
         let r = match (p50(System::Rpc, size), p50(System::Raw, size)) {
@@ -532,6 +597,26 @@ fn targets(results: &Results) -> String {
         );
     }
     out
+}
+
+/// One row of a targets table: `measured` (a ratio) against `limit`, which
+/// it must stay under (`at_most`) or reach.
+fn target_row(out: &mut String, target: &str, measured: Option<f64>, limit: f64, at_most: bool) {
+    let (shown, verdict) = match measured {
+        None => ("–".to_string(), "not measured".to_string()),
+        Some(m) => {
+            let met = if at_most { m <= limit } else { m >= limit };
+            let verdict = if met {
+                "met".to_string()
+            } else if at_most {
+                format!("missed by {:.0} %", (m / limit - 1.0) * 100.0)
+            } else {
+                format!("missed: {:.0} % of the goal", m / limit * 100.0)
+            };
+            (format!("{m:.2}×"), verdict)
+        }
+    };
+    let _ = writeln!(out, "| {target} | {shown} | {verdict} |");
 }
 
 fn machine() -> String {
@@ -571,13 +656,17 @@ fn machine() -> String {
     )
 }
 
-/// The generated part of the report.
-fn report(settings: &Settings, command: &str, tables: &str, targets: &str) -> String {
-    let date = Command::new("date")
+/// Now, as `2026-11-22 04:45 UTC`.
+fn date() -> String {
+    Command::new("date")
         .args(["-u", "+%Y-%m-%d %H:%M UTC"])
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// The TCP part's generated section of the report.
+fn report(settings: &Settings, tables: &str, targets: &str) -> String {
     format!(
         "{BEGIN}\n\
          ## Results\n\n\
@@ -595,17 +684,20 @@ fn report(settings: &Settings, command: &str, tables: &str, targets: &str) -> St
         } else {
             ""
         },
+        command = settings.command,
         machine = machine(),
+        date = date(),
         addr = settings.rpc_addr,
         args = settings.client_args.join(" "),
     )
 }
 
-/// `existing` with its generated part replaced by `generated` (appended if it has none).
-fn splice(existing: &str, generated: &str) -> String {
-    match (existing.find(BEGIN), existing.find(END)) {
+/// `existing` with its section between `markers` replaced by `generated`
+/// (which carries the markers; appended if `existing` has none).
+fn splice(existing: &str, generated: &str, (begin_marker, end_marker): (&str, &str)) -> String {
+    match (existing.find(begin_marker), existing.find(end_marker)) {
         (Some(begin), Some(end)) if begin < end => {
-            let after = existing[end + END.len()..].trim_start_matches('\n');
+            let after = existing[end + end_marker.len()..].trim_start_matches('\n');
             format!("{}{generated}{after}", &existing[..begin])
         }
         _ if existing.trim().is_empty() => {
@@ -617,14 +709,80 @@ fn splice(existing: &str, generated: &str) -> String {
     }
 }
 
-/// One panel of the plot: log-scaled axes, one polyline per system.
+/// One panel of a plot: log-scaled axes, one polyline per series.
 struct Panel<'a> {
     title: &'a str,
     x_label: &'a str,
     y_label: &'a str,
     xs: &'a [usize],
     x_name: fn(usize) -> String,
-    series: Vec<(System, Vec<Option<f64>>)>,
+    series: Vec<Series>,
+}
+
+/// One line of a plot: a value (or none) per x.
+struct Series {
+    name: String,
+    colour: &'static str,
+    /// Drawn dashed (the comparators of the RDMA plot).
+    dashed: bool,
+    ys: Vec<Option<f64>>,
+}
+
+impl Series {
+    fn of(system: System, ys: Vec<Option<f64>>) -> Series {
+        Series {
+            name: system.title().to_string(),
+            colour: system.colour(),
+            dashed: false,
+            ys,
+        }
+    }
+}
+
+/// An SVG of `panels` side by side (400 × 380 each), with the names and
+/// colours of `legend` under them (in as many rows as they need).
+fn plot(panels: &[Panel<'_>], legend: &[Series]) -> String {
+    let step = 200.0;
+    let width = 400.0 * panels.len() as f64;
+    let per_row = (((width - 40.0) / step) as usize).max(1);
+    let rows = legend.len().div_ceil(per_row).max(1);
+    let height = 400.0 + 22.0 * rows as f64;
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+         viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (i, panel) in panels.iter().enumerate() {
+        draw_panel(&mut out, panel, 400.0 * i as f64, 0.0, 400.0, 380.0);
+    }
+    for (row, items) in legend.chunks(per_row).enumerate() {
+        let y = 402.0 + 22.0 * row as f64;
+        let mut x = (width - step * items.len() as f64) / 2.0 + 20.0;
+        for series in items {
+            let _ = writeln!(
+                out,
+                "<line x1=\"{x}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"{}\" stroke-width=\"3\"{}/>\
+                 <text x=\"{}\" y=\"{}\">{}</text>",
+                x + 24.0,
+                series.colour,
+                dash(series.dashed),
+                x + 30.0,
+                y + 4.0,
+                series.name
+            );
+            x += step;
+        }
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+fn dash(dashed: bool) -> &'static str {
+    if dashed {
+        " stroke-dasharray=\"6 4\""
+    } else {
+        ""
+    }
 }
 
 /// The plot: p50 latency against size, and throughput against calls in flight.
@@ -642,11 +800,11 @@ fn svg(results: &Results) -> String {
                     .iter()
                     .map(|&size| results.latency.get(&(s, size)).map(|l| l.p50))
                     .collect();
-                (s, ys)
+                Series::of(s, ys)
             })
             .collect(),
     };
-    let rates = |size: usize, scale: f64| -> Vec<(System, Vec<Option<f64>>)> {
+    let rates = |size: usize, scale: f64| -> Vec<Series> {
         System::ALL
             .iter()
             .map(|&s| {
@@ -654,7 +812,7 @@ fn svg(results: &Results) -> String {
                     .iter()
                     .map(|&c| results.throughput.get(&(s, size, c)).map(|r| r * scale))
                     .collect();
-                (s, ys)
+                Series::of(s, ys)
             })
             .collect()
     };
@@ -674,29 +832,11 @@ fn svg(results: &Results) -> String {
         x_name: |c| c.to_string(),
         series: rates(1 << 20, (1 << 20) as f64 / 1e9),
     };
-    let (width, height) = (1200.0, 420.0);
-    let mut out = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
-         viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    for (i, panel) in [latency, small, large].iter().enumerate() {
-        draw_panel(&mut out, panel, 400.0 * i as f64, 0.0, 400.0, 380.0);
-    }
-    for (i, system) in System::ALL.iter().enumerate() {
-        let x = 420.0 + 150.0 * i as f64;
-        let _ = writeln!(
-            out,
-            "<line x1=\"{x}\" y1=\"402\" x2=\"{}\" y2=\"402\" stroke=\"{}\" stroke-width=\"3\"/>\
-             <text x=\"{}\" y=\"406\">{}</text>",
-            x + 24.0,
-            system.colour(),
-            x + 30.0,
-            system.title()
-        );
-    }
-    out.push_str("</svg>\n");
-    out
+    let legend: Vec<Series> = System::ALL
+        .iter()
+        .map(|&s| Series::of(s, Vec::new()))
+        .collect();
+    plot(&[latency, small, large], &legend)
 }
 
 fn draw_panel(out: &mut String, panel: &Panel<'_>, x0: f64, y0: f64, w: f64, h: f64) {
@@ -704,7 +844,7 @@ fn draw_panel(out: &mut String, panel: &Panel<'_>, x0: f64, y0: f64, w: f64, h: 
     let values: Vec<f64> = panel
         .series
         .iter()
-        .flat_map(|(_, ys)| ys.iter().flatten().copied())
+        .flat_map(|series| series.ys.iter().flatten().copied())
         .filter(|v| *v > 0.0)
         .collect();
     let _ = writeln!(
@@ -775,8 +915,9 @@ fn draw_panel(out: &mut String, panel: &Panel<'_>, x0: f64, y0: f64, w: f64, h: 
         (top + bottom) / 2.0,
         panel.y_label
     );
-    for (system, ys) in &panel.series {
-        let points: Vec<String> = ys
+    for series in &panel.series {
+        let points: Vec<String> = series
+            .ys
             .iter()
             .enumerate()
             .filter_map(|(i, y)| {
@@ -786,16 +927,17 @@ fn draw_panel(out: &mut String, panel: &Panel<'_>, x0: f64, y0: f64, w: f64, h: 
             .collect();
         let _ = writeln!(
             out,
-            "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>",
+            "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{}/>",
             points.join(" "),
-            system.colour()
+            series.colour,
+            dash(series.dashed)
         );
         for point in &points {
             let (x, y) = point.split_once(',').expect("x,y");
             let _ = writeln!(
                 out,
                 "<circle cx=\"{x}\" cy=\"{y}\" r=\"3\" fill=\"{}\"/>",
-                system.colour()
+                series.colour
             );
         }
     }
@@ -822,7 +964,7 @@ mod tests {
     #[test]
     fn splice_replaces_only_the_generated_part() {
         let doc = format!("# B\n\nintro\n\n{BEGIN}\nold\n{END}\n\n## Analysis\nkept\n");
-        let new = splice(&doc, &format!("{BEGIN}\nnew\n{END}\n"));
+        let new = splice(&doc, &format!("{BEGIN}\nnew\n{END}\n"), (BEGIN, END));
         assert!(new.contains("intro") && new.contains("new") && new.contains("kept"));
         assert!(!new.contains("old"));
     }

@@ -11,7 +11,7 @@
 //! the time limit passed; [`EXIT_VM_FAILED`] when the VM or its set-up
 //! failed.
 
-mod baseline;
+pub(crate) mod baseline;
 mod image;
 mod vm;
 
@@ -414,6 +414,37 @@ fn rxe_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| crate::workspace_root().join("target"));
     target.join("rxe")
+}
+
+/// Runs `command` in one Soft-RoCE guest (in `cwd`, with `env` set),
+/// streaming its output as `cargo xtask rxe` does, and returns that output
+/// and the exit status `cargo xtask rxe` would give (0: the command ran and
+/// succeeded; see [`EXIT_TIMED_OUT`], [`EXIT_VM_FAILED`]). `Err` is a set-up
+/// failure on the host.
+pub(crate) fn run_captured(
+    command: Vec<String>,
+    cwd: PathBuf,
+    env: Vec<(String, String)>,
+    timeout: Duration,
+) -> Result<(String, u8), String> {
+    let request = RunRequest {
+        hosts: 1,
+        timeout,
+        mtu: 1500,
+        env,
+        command,
+        cwd,
+        capture: true,
+    };
+    let outcome = run(&request)?;
+    let code = report(&request, &outcome);
+    let output = outcome
+        .guests
+        .into_iter()
+        .next()
+        .map(|g| g.output)
+        .unwrap_or_default();
+    Ok((output, code))
 }
 
 /// Builds the `transport-rdma` test executables on the host and runs their

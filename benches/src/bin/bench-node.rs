@@ -1,8 +1,9 @@
 //! One side of the end-to-end benchmark; `cargo xtask bench` runs both.
 //!
 //! ```text
-//! bench-node server --system rpc|tonic|raw --addr tcp://127.0.0.1:0
-//!     prints `listening on ADDR`, then serves until killed
+//! bench-node server --system rpc|tonic|raw --addr tcp://127.0.0.1:0 [--rdma-busy-poll-us N]
+//!     prints `listening on ADDR`, then serves until killed (rdma-rpc also
+//!     serves `rdma://IP:PORT` addresses)
 //! bench-node client --system rpc|tonic|raw --addr ADDR [options]
 //!     prints one line per measurement (`latency ...`, `throughput ...`)
 //! ```
@@ -18,17 +19,26 @@
 //! | `--latency-calls` | `100000` | a latency measurement stops after this many calls |
 //! | `--throughput-ms` | `3000` | length of a throughput measurement |
 //! | `--max-inflight-bytes` | `536870912` | skip throughput runs with more payload in flight |
+//! | `--throughput-call` | `echo` | `echo` (the payload comes back) or `sink` (an empty reply: one-way streaming, rdma-rpc and tonic only) |
+//!
+//! Both modes take `--rdma-busy-poll-us N`: `rdma://` connections poll the
+//! completion queue for N µs after each completion before sleeping on the
+//! completion channel (default: not at all, event-driven).
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
-use benches::{client, server, Error, Measure, System};
+use benches::{client, server, Call, Error, Measure, System};
+use transport_rdma::RdmaTransport;
 
-const USAGE: &str = "usage: bench-node server --system rpc|tonic|raw --addr URL
+const USAGE: &str =
+    "usage: bench-node server --system rpc|tonic|raw --addr URL [--rdma-busy-poll-us N]
        bench-node client --system rpc|tonic|raw --addr URL [--sizes N,N..] [--concurrency N,N..]
                          [--warmup-ms N] [--latency-ms N] [--latency-calls N]
-                         [--throughput-ms N] [--max-inflight-bytes N]";
+                         [--throughput-ms N] [--max-inflight-bytes N]
+                         [--throughput-call echo|sink] [--rdma-busy-poll-us N]";
 
 struct Args {
     mode: String,
@@ -38,6 +48,9 @@ struct Args {
     concurrency: Vec<usize>,
     measure: Measure,
     max_inflight_bytes: usize,
+    throughput_call: Call,
+    /// `rdma://` busy-poll window; `None`: event-driven completions.
+    rdma_busy_poll: Option<Duration>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -59,6 +72,8 @@ fn parse_args() -> Result<Args, String> {
             throughput_time: Duration::from_secs(3),
         },
         max_inflight_bytes: 512 << 20,
+        throughput_call: Call::Echo,
+        rdma_busy_poll: None,
     };
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -83,6 +98,10 @@ fn parse_args() -> Result<Args, String> {
             "--latency-calls" => parsed.measure.max_latency_calls = number()?,
             "--throughput-ms" => parsed.measure.throughput_time = Duration::from_millis(number()?),
             "--max-inflight-bytes" => parsed.max_inflight_bytes = number()? as usize,
+            "--throughput-call" => parsed.throughput_call = value.parse()?,
+            "--rdma-busy-poll-us" => {
+                parsed.rdma_busy_poll = Some(Duration::from_micros(number()?));
+            }
             _ => return Err(format!("unknown option {flag:?}")),
         }
     }
@@ -105,6 +124,11 @@ fn main() -> ExitCode {
     // system's.
     let result = runtime.block_on(async move {
         benches::install_transports();
+        if let Some(window) = args.rdma_busy_poll {
+            rpc_core::transport::register(Arc::new(
+                RdmaTransport::default().busy_poll(Some(window)),
+            ));
+        }
         let task = tokio::spawn(async move {
             if args.mode == "server" {
                 serve(&args).await
@@ -155,10 +179,14 @@ async fn measure(args: &Args) -> Result<(), Error> {
                 out.flush()?;
                 continue;
             }
-            let throughput = args.measure.throughput(&client, size, concurrency).await?;
+            let call = args.throughput_call;
+            let throughput = args
+                .measure
+                .throughput(&client, size, concurrency, call)
+                .await?;
             writeln!(
                 out,
-                "throughput system={system} size={size} concurrency={concurrency} calls={} secs={:.3} calls_per_s={:.1} gb_per_s={:.4}",
+                "throughput system={system} call={call} size={size} concurrency={concurrency} calls={} secs={:.3} calls_per_s={:.1} gb_per_s={:.4}",
                 throughput.calls,
                 throughput.elapsed.as_secs_f64(),
                 throughput.calls_per_sec(),

@@ -8,18 +8,33 @@ use std::process::ExitCode;
 
 use super::{report, run, rxe_dir, RunRequest, EXIT_VM_FAILED};
 
-/// One perftest run: program, message size, iterations.
-struct Case {
-    program: &'static str,
-    size: u32,
-    iterations: u32,
+/// One perftest run: program, options, message size, iterations.
+pub(crate) struct Case {
+    pub(crate) program: &'static str,
+    /// Extra options for both sides (`-e`: sleep on completion events), or "".
+    pub(crate) options: &'static str,
+    pub(crate) size: u32,
+    pub(crate) iterations: u32,
 }
 
-const fn case(program: &'static str, size: u32, iterations: u32) -> Case {
+pub(crate) const fn case(program: &'static str, size: u32, iterations: u32) -> Case {
     Case {
         program,
+        options: "",
         size,
         iterations,
+    }
+}
+
+impl Case {
+    /// The argument [`SCRIPT`] takes for this case: `program,size,iterations[,options]`.
+    pub(crate) fn arg(&self) -> String {
+        let mut arg = format!("{},{},{}", self.program, self.size, self.iterations);
+        for option in self.options.split_whitespace() {
+            arg.push(',');
+            arg.push_str(option);
+        }
+        arg
     }
 }
 
@@ -40,20 +55,24 @@ const CASES: &[Case] = &[
 
 /// The guest side: server in the background, client (with retries until the
 /// server listens) in the foreground, each case announced by a marker line.
+/// Takes one [`Case::arg`] per case. Each perftest process gets 120 s: one
+/// that hangs (seen once with `-e`) fails its case, not the whole run.
 /// `-R`: connect through librdmacm, which picks the RoCE v2 GID itself.
-const SCRIPT: &str = r#"
+pub(crate) const SCRIPT: &str = r#"
 set -u
 failed=0
 for c in "$@"; do
     set -- $(echo "$c" | tr , ' ')
     prog=$1 size=$2 iters=$3
-    echo "@@case $prog $size $iters"
-    "$prog" -d "$RDMA_TEST_DEVICE" -R -F -s "$size" -n "$iters" > /tmp/server.log 2>&1 &
+    shift 3
+    opts="$*"
+    echo "@@case $prog $size $iters $opts"
+    timeout 120 "$prog" -d "$RDMA_TEST_DEVICE" -R -F $opts -s "$size" -n "$iters" > /tmp/server.log 2>&1 &
     server=$!
     ok=0
     for try in 1 2 3 4 5 6 7 8 9 10; do
         sleep 0.5
-        if "$prog" -d "$RDMA_TEST_DEVICE" -R -F -s "$size" -n "$iters" "$RDMA_TEST_IP" > /tmp/client.log 2>&1; then
+        if timeout 120 "$prog" -d "$RDMA_TEST_DEVICE" -R -F $opts -s "$size" -n "$iters" "$RDMA_TEST_IP" > /tmp/client.log 2>&1; then
             ok=1; break
         fi
         kill -0 "$server" 2>/dev/null || break
@@ -67,14 +86,22 @@ exit $failed
 "#;
 
 /// A parsed result line.
-struct Measurement {
-    program: &'static str,
-    size: u32,
-    iterations: u32,
+pub(crate) struct Measurement {
+    pub(crate) program: &'static str,
+    pub(crate) options: &'static str,
+    pub(crate) size: u32,
+    pub(crate) iterations: u32,
     /// How many runs `values` summarize (their median).
-    runs: usize,
+    pub(crate) runs: usize,
     /// (name, value, unit)
-    values: Vec<(&'static str, f64, &'static str)>,
+    pub(crate) values: Vec<(&'static str, f64, &'static str)>,
+}
+
+impl Measurement {
+    /// The value named `name` (`t_typical_us`, `bw_avg_mb_s`, ...).
+    pub(crate) fn get(&self, name: &str) -> Option<f64> {
+        self.values.iter().find(|v| v.0 == name).map(|v| v.1)
+    }
 }
 
 /// `cargo xtask rxe-baseline [--repeat N] [--timeout SECS]`
@@ -101,7 +128,7 @@ pub(crate) fn baseline_main(args: &[String]) -> ExitCode {
     let mut command = vec!["sh".to_string(), "-c".into(), SCRIPT.into(), "sh".into()];
     for c in CASES {
         for _ in 0..repeat {
-            command.push(format!("{},{},{}", c.program, c.size, c.iterations));
+            command.push(c.arg());
         }
     }
     let request = RunRequest {
@@ -122,7 +149,7 @@ pub(crate) fn baseline_main(args: &[String]) -> ExitCode {
     };
     let code = report(&request, &outcome);
     let output = &outcome.guests[0].output;
-    let results = summarize(&parse(output));
+    let results = summarize(&parse(output, CASES));
     if results.is_empty() {
         eprintln!("xtask rxe-baseline: no perftest results in the guest's output");
         return ExitCode::from(if code == 0 { 1 } else { code });
@@ -158,9 +185,9 @@ fn usage_error(e: &str) -> ExitCode {
     ExitCode::from(EXIT_VM_FAILED)
 }
 
-/// Reads perftest's result lines: after a `#bytes` header, the first line
-/// that starts with a number.
-fn parse(output: &str) -> Vec<Measurement> {
+/// Reads perftest's result lines of [`SCRIPT`] run with `cases`: after a
+/// `#bytes` header, the first line that starts with a number.
+pub(crate) fn parse(output: &str, cases: &'static [Case]) -> Vec<Measurement> {
     let mut results = Vec::new();
     let mut current: Option<&Case> = None;
     let mut header = false;
@@ -171,7 +198,12 @@ fn parse(output: &str) -> Vec<Measurement> {
                 words.next().unwrap_or(""),
                 words.next().and_then(|s| s.parse().ok()),
             );
-            current = CASES.iter().find(|c| c.program == p && Some(c.size) == s);
+            let options: Vec<&str> = words.skip(1).collect();
+            current = cases.iter().find(|c| {
+                c.program == p
+                    && Some(c.size) == s
+                    && c.options.split_whitespace().eq(options.iter().copied())
+            });
             header = false;
             continue;
         }
@@ -207,6 +239,7 @@ fn parse(output: &str) -> Vec<Measurement> {
         };
         results.push(Measurement {
             program: case.program,
+            options: case.options,
             size: case.size,
             iterations: case.iterations,
             runs: 1,
@@ -223,7 +256,9 @@ fn summarize(runs: &[Measurement]) -> Vec<Measurement> {
     for case in CASES {
         let mine: Vec<&Measurement> = runs
             .iter()
-            .filter(|m| m.program == case.program && m.size == case.size)
+            .filter(|m| {
+                m.program == case.program && m.options == case.options && m.size == case.size
+            })
             .collect();
         let Some(first) = mine.first() else { continue };
         let values = first
@@ -245,6 +280,7 @@ fn summarize(runs: &[Measurement]) -> Vec<Measurement> {
             .collect();
         out.push(Measurement {
             program: case.program,
+            options: case.options,
             size: case.size,
             iterations: case.iterations,
             runs: mine.len(),
@@ -313,7 +349,7 @@ mod tests {
                    2       1000          35.20          200.10       42.70     48.10     5.00    90.00   150.00\n\
                    @@case ib_write_bw 65536 1000\n #bytes     #iterations    BW peak[MB/sec] ...\n \
                    65536      1000             39.50              39.10          0.000625\n";
-        let r = parse(out);
+        let r = parse(out, CASES);
         assert_eq!(r.len(), 2);
         assert_eq!(r[0].values[1], ("t_typical_us", 42.7, "us"));
         assert_eq!(r[1].values[1], ("bw_avg_mb_s", 39.1, "MB/s"));
@@ -322,9 +358,30 @@ mod tests {
     }
 
     #[test]
+    fn tells_cases_apart_by_their_options() {
+        static EVENTS: &[Case] = &[
+            case("ib_send_lat", 32, 100),
+            Case {
+                options: "-e",
+                ..case("ib_send_lat", 32, 100)
+            },
+        ];
+        assert_eq!(EVENTS[1].arg(), "ib_send_lat,32,100,-e");
+        let out = "@@case ib_send_lat 32 100 -e\n #bytes ...\n \
+                   32 100 1.0 2.0 3.0 4.0 0.1 5.0 6.0\n\
+                   @@case ib_send_lat 32 100 \n #bytes ...\n \
+                   32 100 1.0 2.0 0.5 4.0 0.1 5.0 6.0\n";
+        let r = parse(out, EVENTS);
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].options, r[0].get("t_typical_us")), ("-e", Some(3.0)));
+        assert_eq!((r[1].options, r[1].get("t_typical_us")), ("", Some(0.5)));
+    }
+
+    #[test]
     fn summarizes_runs_by_their_median() {
         let run = |bw: f64| Measurement {
             program: "ib_write_bw",
+            options: "",
             size: 65536,
             iterations: 1000,
             runs: 1,
