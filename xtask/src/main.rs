@@ -4,7 +4,7 @@
 //! - `cargo xtask test`: every test in the workspace.
 //! - `cargo xtask rxe -- COMMAND`: run COMMAND against Soft-RoCE in a VM.
 //! - `cargo xtask rxe-baseline`: perftest numbers on that device.
-//! - `cargo xtask bench [--quick]`: end-to-end benchmark against tonic and raw TCP.
+//! - `cargo xtask bench [--quick] [--tcp|--rdma]`: end-to-end benchmark against tonic and raw TCP, and over RDMA against perftest.
 
 mod bench;
 mod rxe;
@@ -20,7 +20,7 @@ const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | benc
                 run in a Soft-RoCE VM)
   rxe           run a command next to a Soft-RoCE device in a VM
   rxe-baseline  perftest numbers on that device
-  bench         end-to-end benchmark: rdma-rpc vs tonic vs raw TCP
+  bench         end-to-end benchmark: rdma-rpc vs tonic vs raw TCP; over rdma:// vs perftest (Soft-RoCE)
                 (--quick for a short run; see below)
 
 details of rxe and rxe-baseline:";
