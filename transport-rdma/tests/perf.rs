@@ -7,8 +7,17 @@
 //!
 //! ```text
 //! cargo test -p transport-rdma --release --test perf --no-run
-//! cargo xtask rxe -- target/release/deps/perf-<hash> --ignored --nocapture
+//! cargo xtask rxe --env PERF=target/release/deps/perf-<hash> -- sh -c '
+//!   ib_send_lat -d rxe0 -s 2 -n 2000 >/dev/null 2>&1 & sleep 1
+//!   ib_send_lat -d rxe0 -s 2 -n 2000 $RDMA_TEST_IP; wait
+//!   ib_send_lat -d rxe0 -s 2 -n 1000 -e >/dev/null 2>&1 & sleep 1
+//!   ib_send_lat -d rxe0 -s 2 -n 1000 -e $RDMA_TEST_IP; wait
+//!   ib_write_bw -d rxe0 -s 4194304 -n 50 >/dev/null 2>&1 & sleep 1
+//!   ib_write_bw -d rxe0 -s 4194304 -n 50 $RDMA_TEST_IP; wait
+//!   $PERF --ignored --nocapture'
 //! ```
+//!
+//! (perftest reports half a round trip, and MB/sec in 2^20 bytes.)
 
 mod common;
 
