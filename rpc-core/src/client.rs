@@ -244,6 +244,11 @@ impl Endpoint {
 /// Cloning is cheap; all clones multiplex their calls over one connection.
 /// When the connection fails, its pending calls end with `Unavailable` and the
 /// next call reconnects (with backoff after failed attempts).
+///
+/// Each connection's frames are read by a task on the tokio runtime, which
+/// hands every response to the task awaiting its call. Make latency-critical
+/// calls from a spawned task rather than from `Runtime::block_on`: a caller
+/// on the `block_on` thread costs a cross-thread wake-up per call.
 #[derive(Clone)]
 pub struct Channel {
     shared: Arc<ChannelShared>,
