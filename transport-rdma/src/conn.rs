@@ -1105,7 +1105,7 @@ pub(crate) fn start(
                 len: peer.region_len.into(),
             },
         },
-        cq: cq.clone(),
+        cq,
         released: Mutex::new(Vec::new()),
         wake_task: Notify::new(),
         peer: peer_addr.clone(),
@@ -1117,15 +1117,19 @@ pub(crate) fn start(
     }
     // After the connection is in `LIVE`: a starting watcher acts on the
     // events that queued before it, this connection's included.
-    let watch = device_events::watch(&watched)?;
-    cq.arm()
+    let device_watch = device_events::watch(&watched)?;
+    shared
+        .cq
+        .arm()
         .map_err(|e| io_error("arm the completion queue", e))?;
-    let driver = drive(Arc::clone(&shared), Driver { cq, cq_fd, cm_fd });
-    tokio::spawn(async move {
-        // The device's event watcher runs while the driver does.
-        let _watch = watch;
-        driver.await
-    });
+    tokio::spawn(drive(
+        Arc::clone(&shared),
+        Driver {
+            cq_fd,
+            cm_fd,
+            _device_watch: device_watch,
+        },
+    ));
     Ok(Connection {
         sink: Arc::new(RdmaSink {
             shared: Arc::clone(&shared),
@@ -1139,9 +1143,10 @@ pub(crate) fn start(
 }
 
 struct Driver {
-    cq: CompletionQueue,
     cq_fd: AsyncFd<CqFd>,
     cm_fd: AsyncFd<CmFd>,
+    /// Keeps the device's async-event watcher running while the driver does.
+    _device_watch: device_events::WatchLease,
 }
 
 /// Handles every completion waiting in the CQ; returns how many.
@@ -1211,7 +1216,7 @@ async fn drive(shared: Arc<Shared>, d: Driver) {
                         Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
                     }
                 }
-                if let Err(e) = d.cq.arm() {
+                if let Err(e) = shared.cq.arm() {
                     shared.lock().fail(format!("arming the completion queue: {e}"));
                 }
             }

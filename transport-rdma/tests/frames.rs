@@ -32,12 +32,7 @@ fn tiny() -> RdmaTransport {
 }
 
 async fn pair(env: &TestEnv, cfg: &RdmaTransport) -> (Connection, Connection) {
-    let (mut listener, target) = env.listen_here(cfg, LIMITS).await;
-    let (client, server) = tokio::join!(
-        cfg.connect(&target, LIMITS),
-        poll_fn(|cx| listener.poll_accept(cx))
-    );
-    (client.expect("connects"), server.expect("accepts"))
+    env.pair(cfg, LIMITS).await
 }
 
 fn payload(seed: usize, len: usize) -> Bytes {

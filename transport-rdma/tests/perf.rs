@@ -21,14 +21,13 @@
 
 mod common;
 
-use std::future::poll_fn;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::TestEnv;
 use rpc_core::frame::{OutBody, OutFrame};
-use rpc_core::transport::{FrameLimits, Transport};
+use rpc_core::transport::FrameLimits;
 use rpc_core::{BytesCodec, Channel, Client, Request};
 use transport_rdma::RdmaTransport;
 
@@ -80,12 +79,7 @@ fn rate(bytes: usize, took: Duration) -> String {
 /// Frames straight through the transport: a peer that answers every frame
 /// with a 2-byte one.
 async fn frames(env: &TestEnv, mode: &str, cfg: &RdmaTransport) {
-    let (mut listener, target) = env.listen_here(cfg, LIMITS).await;
-    let (client, server) = tokio::join!(
-        cfg.connect(&target, LIMITS),
-        poll_fn(|cx| listener.poll_accept(cx))
-    );
-    let (mut client, mut server) = (client.unwrap(), server.unwrap());
+    let (mut client, mut server) = env.pair(cfg, LIMITS).await;
     let small = Bytes::from_static(b"hi");
     let answer = tokio::spawn(async move {
         while let Ok(Some(_frame)) = server.source.recv().await {
@@ -148,12 +142,7 @@ async fn threshold(env: &TestEnv) {
             RdmaTransport::default().inline_threshold(0),
         ] {
             let cfg = cfg.busy_poll(Some(BUSY_POLL));
-            let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
-            let (client, server) = tokio::join!(
-                cfg.connect(&target, LIMITS),
-                poll_fn(|cx| listener.poll_accept(cx))
-            );
-            let (mut client, mut server) = (client.unwrap(), server.unwrap());
+            let (mut client, mut server) = env.pair(&cfg, LIMITS).await;
             let echo = tokio::spawn(async move {
                 while let Ok(Some(frame)) = server.source.recv().await {
                     let body = frame.slice(rpc_core::frame::HEAD_LEN..);

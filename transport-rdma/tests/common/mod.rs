@@ -83,4 +83,23 @@ impl TestEnv {
             .to_string();
         (listener, target)
     }
+
+    /// Both ends of one connection over this host's device, made with
+    /// `transport`: (the client's, the server's).
+    pub async fn pair(
+        &self,
+        transport: &transport_rdma::RdmaTransport,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> (
+        rpc_core::transport::Connection,
+        rpc_core::transport::Connection,
+    ) {
+        use rpc_core::transport::Transport;
+        let (mut listener, target) = self.listen_here(transport, limits).await;
+        let (client, server) = tokio::join!(
+            transport.connect(&target, limits),
+            std::future::poll_fn(|cx| listener.poll_accept(cx))
+        );
+        (client.expect("connects"), server.expect("accepts"))
+    }
 }
