@@ -6,19 +6,28 @@
 //!
 //! # Resource cleanup
 //! Each wrapper owns one C object and keeps alive, by reference counting,
-//! the objects it was made from: a [`QueuePair`] keeps its [`CmId`],
+//! the objects it was made from: a [`QueuePair`] keeps its `cm_id`,
 //! [`ProtectionDomain`] and [`CompletionQueue`]s; a [`MemoryRegion`] its
-//! protection domain; everything its [`CmId`], which keeps its
-//! [`EventChannel`]. So whatever order values are dropped in, the C objects
-//! are destroyed in dependency order (QP, then MR, CQ, PD, then the
-//! `cm_id`, then the channel).
+//! protection domain; a completion queue its [`CompletionChannel`];
+//! everything its `cm_id`, which keeps its [`EventChannel`]. So a C object
+//! is never destroyed before one made from it: the PD, CQs, `cm_id` and
+//! channels go last, whatever order the values are dropped in.
+//!
+//! Reference counting does **not** order a queue pair against the memory
+//! its work requests use: a posted receive, send or RDMA WRITE names a
+//! [`MemoryRegion`] by address and key only, and a peer that knows a
+//! region's rkey can write it while the QP lives. That is why posting is
+//! `unsafe`: the caller keeps each region registered (and its buffer
+//! allocated) until the request completed or the QP is destroyed, which in
+//! practice means the owner of both drops the QP first (the transport's
+//! connection types declare the QP before the memory, see `conn.rs`). A
+//! region whose deregistration fails is leaked, never freed.
 //!
 //! # Thread safety
-//! libibverbs and librdmacm calls are thread-safe, so the handles are
-//! `Send` and (except [`MemoryRegion`] and [`QueuePair`]) `Sync`: a
-//! connection's objects may move between the threads of an async runtime.
-//! A memory region's buffer is shared with the device, so it is only
-//! `Send`; posting to a queue pair takes `&mut self`.
+//! libibverbs calls are thread-safe, so the handles are `Send`, and those
+//! without interior state `Sync`. A memory region's buffer is shared with
+//! the device, so [`MemoryRegion`] is only `Send`; posting to a
+//! [`QueuePair`] takes `&mut self`.
 //!
 //! # Time limits
 //! Every wait takes a timeout: connection-manager events through `poll(2)`

@@ -81,11 +81,17 @@ impl RemoteRegion {
 /// A zeroed buffer of its own, registered with a protection domain
 /// (`ibv_reg_mr`).
 ///
-/// The device reads and writes the buffer behind the program's back, so
-/// the buffer is never handed out as a Rust slice: data goes in and out by
-/// copying ([`write_at`](Self::write_at), [`read_at`](Self::read_at)) at
-/// moments the protocol makes safe (after the completion of the operation
-/// that filled it, before posting the one that reads it).
+/// The device reads and writes the buffer behind the program's back. Data
+/// goes in and out by raw copies ([`write_at`](Self::write_at),
+/// [`read_at`](Self::read_at), [`read_into`](Self::read_into)) at moments
+/// the protocol makes safe (after the completion of the operation that
+/// filled it, before posting the one that reads it), or through the
+/// `unsafe` [`slice`](Self::slice) / [`slice_mut`](Self::slice_mut), whose
+/// callers state why nothing else touches the bytes while the slice lives.
+///
+/// Dropping deregisters the region, then frees the buffer; if
+/// `ibv_dereg_mr` fails the device may still use the buffer, so it is
+/// leaked (and the failure logged) instead of freed.
 pub struct MemoryRegion {
     raw: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
@@ -198,7 +204,7 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// While the slice lives, nothing may write these bytes: no posted
-    /// receive or remote write may target them, and no `write_at` or
+    /// receive may target them, and no `write_at` or
     /// [`slice_mut`](Self::slice_mut) may cover them.
     pub unsafe fn slice(&self, range: Range<usize>) -> &[u8] {
         self.check(&range)
@@ -246,27 +252,57 @@ impl MemoryRegion {
     /// Copies `len` bytes out of the region at `offset`. Panics if the
     /// range is outside the region.
     pub fn read_at(&self, offset: usize, len: usize) -> Vec<u8> {
-        let range = offset..offset.checked_add(len).expect("offset + len overflows");
-        self.check(&range)
-            .expect("read_at: range outside the memory region");
         let mut out = vec![0; len];
-        // SAFETY: the range is inside the buffer this value owns; `out` is
-        // a fresh allocation of `len` bytes, so they do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.buf.as_ptr().add(offset), out.as_mut_ptr(), len)
-        };
+        self.read_into(offset, &mut out);
         out
+    }
+
+    /// Copies `dst.len()` bytes out of the region at `offset` into `dst`.
+    /// Panics if the range is outside the region.
+    ///
+    /// A raw copy, never a slice of the region: safe on memory the peer
+    /// may be writing (the bytes read are then whatever they were).
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) {
+        let range = offset
+            ..offset
+                .checked_add(dst.len())
+                .expect("offset + len overflows");
+        self.check(&range)
+            .expect("read_into: range outside the memory region");
+        // SAFETY: the range is inside the buffer this value owns; `dst` is
+        // a distinct Rust slice (no Rust reference into the buffer covers
+        // a remotely writable region, and callers of `slice_mut` promise
+        // no copy covers their bytes), so they do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.buf.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
     }
 }
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        // SAFETY: `raw` is the live MR this value owns, deregistered once.
-        // Posting from it is `unsafe` and requires the MR to outlive the
-        // operation, so the device no longer uses the buffer.
-        unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
+        // SAFETY: `raw` is the live MR this value owns, deregistered once
+        // (here). Posting from or into it is `unsafe` and requires the MR
+        // to outlive the operation (its completion, or the QP's
+        // destruction), so no work request uses the buffer any more.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
+        if ret != 0 {
+            // Still registered: the device may read or write the buffer
+            // (a peer holding the rkey, too). Freeing it would hand memory
+            // the device can change to the allocator: leak it instead.
+            tracing::error!(
+                len = self.len,
+                error = %super::errno_error(ret),
+                "ibv_dereg_mr failed: leaking the region's buffer rather than freeing memory the device may still access"
+            );
+            return;
+        }
         // SAFETY: `buf` was allocated in `new` with this layout and is no
-        // longer registered.
+        // longer registered (ibv_dereg_mr succeeded just above).
         unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };
     }
 }
