@@ -253,12 +253,16 @@ struct Buffers {
     peer_region: RemoteRegion,
 }
 
-// SAFETY: the memory regions are only accessed through their `unsafe`
-// `slice`/`slice_mut` (never `read_at`/`write_at`), and each byte range is
-// owned by exactly one party at a time, as the protocol state (under the
-// connection's mutex) records: the device while posted, the state while
-// being encoded or handled, or one `SlotGuard` while the application holds
-// a received frame. So sharing `&Buffers` between threads races on nothing.
+// SAFETY: `recv`, `send` and `staging` are only accessed through their
+// `unsafe` `slice`/`slice_mut`, and each byte range is owned by exactly one
+// party at a time, as the protocol state (under the connection's mutex)
+// records: the device while posted, the state while being encoded or
+// handled, or one `SlotGuard` while the application holds a received frame.
+// `region` (remotely writable) is only read, by raw copies under the
+// connection's mutex, of chunks the peer's protocol has finished writing (a
+// peer that writes anyway changes only the bytes we copy, never memory a
+// Rust reference covers). So sharing `&Buffers` between threads races on
+// nothing.
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
@@ -874,12 +878,18 @@ impl FrameSource for RdmaSource {
                     header,
                     offset,
                 } => {
-                    // SAFETY: `reader.accept` placed the chunk inside the
-                    // region; the peer's WRITE landed before its SEND, and
-                    // the peer writes there again only after we report the
-                    // space freed (below, after this slice's last use).
-                    let data = unsafe { mem.region.slice(offset..offset + header.len as usize) };
-                    let out = st.reassembly.chunk(header.flags, header.total, data);
+                    // The region is remotely writable: its bytes are read
+                    // by raw copies, never borrowed as a slice. The peer's
+                    // WRITE landed before its SEND, and it writes there
+                    // again only after we report the space freed (below,
+                    // after the copy).
+                    let region = &mem.region;
+                    let out = st.reassembly.chunk_from(
+                        header.flags,
+                        header.total,
+                        header.len as usize,
+                        |from, dst| region.read_into(offset + from, dst),
+                    );
                     st.reader.free_through(header.pos + u64::from(header.len));
                     if let Err(e) = st.repost(mem, slot) {
                         st.fail(format!("reposting a receive: {e}"));

@@ -1,4 +1,19 @@
 //! Frames put back together from region chunks, under the frame limits.
+//!
+//! # Memory
+//! What a peer announces never decides what we reserve: a frame's buffer
+//! grows with the chunks that arrived (amortised doubling, so its capacity
+//! stays under twice the bytes received), never to the `total` its first
+//! chunk claims. Per connection, one frame is collected at a time and only
+//! if its total is within `max_frame_len` (longer ones are skipped without
+//! buffering), so a connection holds at most about `2 × max_frame_len`
+//! bytes of partial frame; the process, that times its connections.
+//!
+//! There is no separate per-process budget of partial-frame bytes: a
+//! receiver over such a budget could only stop reading, and a partial frame
+//! completes only by reading on, so connections each waiting for the budget
+//! another one holds would deadlock. The bound is the one above; limiting
+//! the number of connections (or `max_frame_len`) is how a process caps it.
 
 use super::header::{FIRST, LAST};
 use super::ProtocolError;
@@ -71,6 +86,33 @@ impl Reassembly {
         }
     }
 
+    /// As [`check_len`](Self::check_len), for a chunk of `len` bytes that
+    /// `read` copies out (only the prefix of an oversized frame is read).
+    fn check_len_from(
+        &self,
+        total: usize,
+        len: usize,
+        read: &mut impl FnMut(usize, &mut [u8]),
+    ) -> Option<Assembled> {
+        if total > self.max_skip_len {
+            Some(Assembled::TooLarge { len: total })
+        } else if total > self.max_frame_len {
+            let mut prefix = vec![0; self.prefix_len.min(len)];
+            read(0, &mut prefix);
+            Some(Assembled::Oversized { len: total, prefix })
+        } else {
+            None
+        }
+    }
+
+    /// Bytes reserved for the frame being collected (its buffer's capacity).
+    pub fn buffered_capacity(&self) -> usize {
+        match &self.state {
+            State::Collecting { buf, .. } => buf.capacity(),
+            State::Idle | State::Skipping { .. } => 0,
+        }
+    }
+
     /// One chunk (`flags`, `total` from its header, `data` its bytes);
     /// returns what completes with it.
     pub fn chunk(
@@ -78,6 +120,22 @@ impl Reassembly {
         flags: u8,
         total: u32,
         data: &[u8],
+    ) -> Result<Option<Assembled>, ProtocolError> {
+        self.chunk_from(flags, total, data.len(), |offset, dst| {
+            dst.copy_from_slice(&data[offset..offset + dst.len()]);
+        })
+    }
+
+    /// One chunk of `len` bytes that `read` copies out: `read(offset, dst)`
+    /// fills `dst` with the chunk's bytes `offset..offset + dst.len()`.
+    /// For chunks in memory that may not be borrowed as a slice (the
+    /// remotely writable region, read by raw copies).
+    pub fn chunk_from(
+        &mut self,
+        flags: u8,
+        total: u32,
+        len: usize,
+        mut read: impl FnMut(usize, &mut [u8]),
     ) -> Result<Option<Assembled>, ProtocolError> {
         let first = flags & FIRST != 0;
         let last = flags & LAST != 0;
@@ -90,11 +148,11 @@ impl Reassembly {
         }
         if first {
             let total = total as usize;
-            if let Some(verdict) = self.check_len(total, data) {
+            if let Some(verdict) = self.check_len_from(total, len, &mut read) {
                 if let Assembled::TooLarge { .. } = verdict {
                     return Ok(Some(verdict));
                 }
-                if data.len() == total {
+                if len == total {
                     return if last {
                         Ok(Some(verdict))
                     } else {
@@ -106,25 +164,25 @@ impl Reassembly {
                 if last {
                     return Err(ProtocolError::new("last chunk before the frame's end"));
                 }
-                self.state = State::Skipping {
-                    total,
-                    got: data.len(),
-                };
+                self.state = State::Skipping { total, got: len };
                 return Ok(Some(verdict));
             }
             if last {
-                if data.len() != total {
+                if len != total {
                     return Err(ProtocolError::new("last chunk before the frame's end"));
                 }
-                return Ok(Some(Assembled::Frame(data.to_vec())));
+                let mut frame = Vec::new();
+                append(&mut frame, len, &mut read);
+                return Ok(Some(Assembled::Frame(frame)));
             }
-            if data.len() >= total {
+            if len >= total {
                 return Err(ProtocolError::new(
                     "frame complete but chunk not marked last",
                 ));
             }
-            let mut buf = Vec::with_capacity(total);
-            buf.extend_from_slice(data);
+            // Not `with_capacity(total)`: the peer's claim reserves nothing.
+            let mut buf = Vec::new();
+            append(&mut buf, len, &mut read);
             self.state = State::Collecting { total, buf };
             return Ok(None);
         }
@@ -133,7 +191,7 @@ impl Reassembly {
             State::Skipping { total, got } => (*total, *got),
             State::Idle => unreachable!("checked above"),
         };
-        let got = got + data.len();
+        let got = got + len;
         if got > total {
             return Err(ProtocolError::new(format!(
                 "chunks carry more than the frame's {total} bytes"
@@ -148,7 +206,7 @@ impl Reassembly {
         }
         match &mut self.state {
             State::Collecting { buf, .. } => {
-                buf.extend_from_slice(data);
+                append(buf, len, &mut read);
                 if last {
                     let State::Collecting { buf, .. } =
                         std::mem::replace(&mut self.state, State::Idle)
@@ -170,6 +228,14 @@ impl Reassembly {
     }
 }
 
+/// Appends `len` bytes that `read` copies out to `buf`, growing it by the
+/// amortised doubling of `Vec` (capacity under twice its length).
+fn append(buf: &mut Vec<u8>, len: usize, read: &mut impl FnMut(usize, &mut [u8])) {
+    let start = buf.len();
+    buf.resize(start + len, 0);
+    read(0, &mut buf[start..]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +255,49 @@ mod tests {
             Ok(Some(Assembled::Frame(b"abcdef".to_vec())))
         );
         assert!(!r.in_frame());
+    }
+
+    #[test]
+    fn a_first_chunk_announcing_a_huge_frame_reserves_only_what_arrived() {
+        let max = 64 << 20;
+        let mut r = Reassembly::new(max, 2 * max, 4);
+        assert_eq!(r.chunk(FIRST, max as u32, b"abcd"), Ok(None));
+        assert!(r.in_frame());
+        assert!(
+            r.buffered_capacity() < 4096,
+            "a 64 MiB announcement with 4 bytes reserved {} bytes",
+            r.buffered_capacity()
+        );
+        // It grows with what arrives, within twice the bytes received.
+        for _ in 0..100 {
+            assert_eq!(r.chunk(0, 0, &[7; 1000]), Ok(None));
+        }
+        let got = 4 + 100 * 1000;
+        assert!(r.buffered_capacity() >= got && r.buffered_capacity() <= 2 * got);
+    }
+
+    #[test]
+    fn chunks_read_by_copy_match_chunks_given_as_slices() {
+        let src = b"0123456789";
+        let mut r = Reassembly::new(100, 400, 4);
+        let read = |from: usize| {
+            move |off: usize, dst: &mut [u8]| {
+                dst.copy_from_slice(&src[from + off..from + off + dst.len()])
+            }
+        };
+        assert_eq!(r.chunk_from(FIRST, 10, 4, read(0)), Ok(None));
+        assert_eq!(
+            r.chunk_from(LAST, 0, 6, read(4)),
+            Ok(Some(Assembled::Frame(src.to_vec())))
+        );
+        let mut r = Reassembly::new(4, 400, 3);
+        assert_eq!(
+            r.chunk_from(FIRST | LAST, 10, 10, read(0)),
+            Ok(Some(Assembled::Oversized {
+                len: 10,
+                prefix: b"012".to_vec()
+            }))
+        );
     }
 
     #[test]

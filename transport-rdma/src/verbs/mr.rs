@@ -88,6 +88,9 @@ impl RemoteRegion {
 /// filled it, before posting the one that reads it), or through the
 /// `unsafe` [`slice`](Self::slice) / [`slice_mut`](Self::slice_mut), whose
 /// callers state why nothing else touches the bytes while the slice lives.
+/// A region the peer may write ([`Access::REMOTE_WRITE`]) is never
+/// borrowed as a slice (those methods panic on it): the peer can write it
+/// at any moment, whatever the protocol says, so only copies read it.
 ///
 /// Dropping deregisters the region, then frees the buffer; if
 /// `ibv_dereg_mr` fails the device may still use the buffer, so it is
@@ -96,6 +99,7 @@ pub struct MemoryRegion {
     raw: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
+    remote_write: bool,
     pub(crate) pd: Arc<PdInner>,
 }
 
@@ -110,6 +114,7 @@ impl MemoryRegion {
     /// buffer shares none with other data and pins nothing beyond itself.
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
         let len = len.max(1);
+        let remote_write = access.0 & Access::REMOTE_WRITE.0 != 0;
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
@@ -124,6 +129,7 @@ impl MemoryRegion {
                 raw,
                 buf,
                 len,
+                remote_write,
                 pd: Arc::clone(&pd.inner),
             }),
             None => {
@@ -198,15 +204,26 @@ impl MemoryRegion {
         }
     }
 
+    /// Panics if the peer may write this region: no slice is formed over
+    /// memory that can change under it (read it with copies instead).
+    fn assert_local_only(&self, what: &str) {
+        assert!(
+            !self.remote_write,
+            "{what}: a remotely writable region is read by copies only"
+        );
+    }
+
     /// The bytes `range` of the buffer, borrowed.
     ///
-    /// Panics if `range` is outside the region.
+    /// Panics if `range` is outside the region, or if the region is
+    /// remotely writable (the peer could change the bytes under the slice).
     ///
     /// # Safety
     /// While the slice lives, nothing may write these bytes: no posted
     /// receive may target them, and no `write_at` or
     /// [`slice_mut`](Self::slice_mut) may cover them.
     pub unsafe fn slice(&self, range: Range<usize>) -> &[u8] {
+        self.assert_local_only("slice");
         self.check(&range)
             .expect("slice: range outside the memory region");
         // SAFETY: the range is inside the buffer this value owns; the
@@ -216,7 +233,8 @@ impl MemoryRegion {
 
     /// The bytes `range` of the buffer, mutably borrowed (to encode into).
     ///
-    /// Panics if `range` is outside the region.
+    /// Panics if `range` is outside the region, or if the region is
+    /// remotely writable.
     ///
     /// # Safety
     /// While the slice lives, nothing else may read or write these bytes:
@@ -224,6 +242,7 @@ impl MemoryRegion {
     /// `read_at` or `write_at` may cover them.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [u8] {
+        self.assert_local_only("slice_mut");
         self.check(&range)
             .expect("slice_mut: range outside the memory region");
         // SAFETY: the range is inside the buffer this value owns; the
