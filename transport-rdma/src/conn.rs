@@ -65,16 +65,29 @@ fn io_error(context: impl Into<String>, e: impl std::fmt::Display) -> TransportE
     TransportError::io(context, io::Error::other(e.to_string()))
 }
 
-/// What a connection set-up produced, before its driver starts (all `Send`).
-pub(crate) struct Established {
-    id: CmId,
+/// The queue pair and the memory its work requests use, in the one order
+/// they may be destroyed: Rust drops fields in declaration order, so the QP
+/// (which may have receives posted into `recv`, and whose peer may know
+/// `region`'s rkey) is destroyed before any region is deregistered and
+/// freed, on every path that drops this value (set-up errors included).
+/// Nothing moves the QP or the memory out of it separately.
+struct Wired {
+    /// Declared first: destroyed first.
     qp: QueuePair,
-    cq: CompletionQueue,
-    cc: CompletionChannel,
     recv: MemoryRegion,
     region: MemoryRegion,
+}
+
+/// What a connection set-up produced, before its driver starts (all `Send`).
+/// Dropped as a whole on an error before the start: the QP goes first
+/// ([`Wired`]), then the memory only the local side uses.
+pub(crate) struct Established {
+    wired: Wired,
     send: MemoryRegion,
     staging: MemoryRegion,
+    cq: CompletionQueue,
+    cc: CompletionChannel,
+    id: CmId,
     own: Hello,
     peer: Hello,
     peer_addr: String,
@@ -82,12 +95,10 @@ pub(crate) struct Established {
 
 /// The device objects made before the hello exchange.
 struct Half {
-    pd: ProtectionDomain,
-    qp: QueuePair,
+    wired: Wired,
     cq: CompletionQueue,
     cc: CompletionChannel,
-    recv: MemoryRegion,
-    region: MemoryRegion,
+    pd: ProtectionDomain,
     own: Hello,
 }
 
@@ -96,7 +107,7 @@ fn make_half(id: &CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error
     let cc = CompletionChannel::new(id)?;
     let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
-    let mut qp = QueuePair::new(
+    let qp = QueuePair::new(
         id,
         &pd,
         &cq,
@@ -113,13 +124,6 @@ fn make_half(id: &CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error
         cfg.region_len as usize,
         Access::LOCAL_WRITE | Access::REMOTE_WRITE,
     )?;
-    for i in 0..cfg.ring_slots {
-        let start = i as usize * slot;
-        // SAFETY: `recv` ends up in the connection's shared state, which
-        // outlives the QP (dropped first); slots are read only after their
-        // receive completed and reposted only once released.
-        unsafe { qp.post_recv(wr_id(TAG_RECV, i), &recv, start..start + slot)? };
-    }
     let remote = region.remote();
     let own = Hello {
         ring_slots: cfg.ring_slots,
@@ -128,15 +132,29 @@ fn make_half(id: &CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error
         region_rkey: remote.rkey,
         region_len: cfg.region_len,
     };
-    Ok(Half {
-        pd,
-        qp,
+    // Receives are posted only once the QP and the ring are in one `Wired`:
+    // if a post fails, dropping `half` destroys the QP before the ring.
+    let mut half = Half {
+        wired: Wired { qp, recv, region },
         cq,
         cc,
-        recv,
-        region,
+        pd,
         own,
-    })
+    };
+    let wired = &mut half.wired;
+    for i in 0..cfg.ring_slots {
+        let start = i as usize * slot;
+        // SAFETY: `recv` and the QP live in the same `Wired`, whose field
+        // order destroys the QP first (then in `Shared`, likewise); slots
+        // are read only after their receive completed and reposted only
+        // once released.
+        unsafe {
+            wired
+                .qp
+                .post_recv(wr_id(TAG_RECV, i), &wired.recv, start..start + slot)?
+        };
+    }
+    Ok(half)
 }
 
 fn finish(
@@ -152,14 +170,12 @@ fn finish(
     )?;
     let staging = MemoryRegion::new(&half.pd, peer.region_len as usize, Access::LOCAL_WRITE)?;
     Ok(Established {
-        id,
-        qp: half.qp,
-        cq: half.cq,
-        cc: half.cc,
-        recv: half.recv,
-        region: half.region,
+        wired: half.wired,
         send,
         staging,
+        cq: half.cq,
+        cc: half.cc,
+        id,
         own: half.own,
         peer,
         peer_addr,
@@ -1042,84 +1058,99 @@ pub(crate) fn debug_dump() -> String {
     out
 }
 
+impl Established {
+    /// Moves the connection's objects into its shared state (the QP into
+    /// the state, the memory after it: see [`Shared`]); returns what the
+    /// driver registers with tokio. Infallible, so nothing is dropped
+    /// half-moved.
+    fn into_shared(
+        self,
+        limits: FrameLimits,
+        cfg: &RdmaTransport,
+    ) -> (Arc<Shared>, CmId, CompletionChannel) {
+        let Established {
+            wired: Wired { qp, recv, region },
+            send,
+            staging,
+            cq,
+            cc,
+            id,
+            own,
+            peer,
+            peer_addr,
+        } = self;
+        let inline_max = cfg
+            .inline_threshold
+            .min(peer.slot_size as usize - HEADER_LEN);
+        let reassembly = Reassembly::new(
+            limits.max_frame_len,
+            limits.max_skip_len(),
+            OVERSIZED_PREFIX_LEN,
+        );
+        let state = State {
+            qp,
+            credits: CreditWindow::new(peer.ring_slots),
+            writer: RegionWriter::new(peer.region_len.into()),
+            queue: VecDeque::new(),
+            free_send: (0..peer.ring_slots).rev().collect(),
+            free_ctrl: (peer.ring_slots..peer.ring_slots + CTRL_SLOTS).collect(),
+            free_heap: (peer.ring_slots + CTRL_SLOTS..peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS)
+                .collect(),
+            heap_queued: false,
+            send_waiters: Vec::new(),
+            inline_max,
+            in_flight: 0,
+            ring: RecvRing::new(own.ring_slots),
+            reader: RegionReader::new(own.region_len.into()),
+            reassembly,
+            arrived: VecDeque::new(),
+            recv_waker: None,
+            max_frame_len: limits.max_frame_len,
+            failed: None,
+            disconnected: false,
+            closing: false,
+            close_sent: false,
+            peer_gone: false,
+            handles: 2,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            mem: Buffers {
+                recv,
+                region,
+                send,
+                staging,
+                slot_size: own.slot_size as usize,
+                peer_slot_size: peer.slot_size as usize,
+                peer_region: RemoteRegion {
+                    addr: peer.region_addr,
+                    rkey: peer.region_rkey,
+                    len: peer.region_len.into(),
+                },
+            },
+            cq,
+            released: Mutex::new(Vec::new()),
+            wake_task: Notify::new(),
+            peer: peer_addr,
+        });
+        (shared, id, cc)
+    }
+}
+
 /// Starts the driver task of an established connection and returns its halves.
 pub(crate) fn start(
     est: Established,
     limits: FrameLimits,
     cfg: &RdmaTransport,
 ) -> Result<Connection, TransportError> {
-    let Established {
-        id,
-        qp,
-        cq,
-        cc,
-        recv,
-        region,
-        send,
-        staging,
-        own,
-        peer,
-        peer_addr,
-    } = est;
-    let cq_fd = register(CqFd(cc), "completion channel")?;
-    let placement = Placement::of(&id, &qp, &cq)
+    let placement = Placement::of(&est.id, &est.wired.qp, &est.cq)
         .map_err(|e| io_error("find the connection's device objects", e))?;
-    let watched = id.clone();
+    // From here on the QP and the memory live in `Shared` (QP first), so
+    // an error below drops them in that order.
+    let (shared, id, cc) = est.into_shared(limits, cfg);
+    let cq_fd = register(CqFd(cc), "completion channel")?;
     let cm_fd = register(CmFd(id), "connection manager channel")?;
-    let inline_max = cfg
-        .inline_threshold
-        .min(peer.slot_size as usize - HEADER_LEN);
-    let reassembly = Reassembly::new(
-        limits.max_frame_len,
-        limits.max_skip_len(),
-        OVERSIZED_PREFIX_LEN,
-    );
-    let state = State {
-        qp,
-        credits: CreditWindow::new(peer.ring_slots),
-        writer: RegionWriter::new(peer.region_len.into()),
-        queue: VecDeque::new(),
-        free_send: (0..peer.ring_slots).rev().collect(),
-        free_ctrl: (peer.ring_slots..peer.ring_slots + CTRL_SLOTS).collect(),
-        free_heap: (peer.ring_slots + CTRL_SLOTS..peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS)
-            .collect(),
-        heap_queued: false,
-        send_waiters: Vec::new(),
-        inline_max,
-        in_flight: 0,
-        ring: RecvRing::new(own.ring_slots),
-        reader: RegionReader::new(own.region_len.into()),
-        reassembly,
-        arrived: VecDeque::new(),
-        recv_waker: None,
-        max_frame_len: limits.max_frame_len,
-        failed: None,
-        disconnected: false,
-        closing: false,
-        close_sent: false,
-        peer_gone: false,
-        handles: 2,
-    };
-    let shared = Arc::new(Shared {
-        state: Mutex::new(state),
-        mem: Buffers {
-            recv,
-            region,
-            send,
-            staging,
-            slot_size: own.slot_size as usize,
-            peer_slot_size: peer.slot_size as usize,
-            peer_region: RemoteRegion {
-                addr: peer.region_addr,
-                rkey: peer.region_rkey,
-                len: peer.region_len.into(),
-            },
-        },
-        cq,
-        released: Mutex::new(Vec::new()),
-        wake_task: Notify::new(),
-        peer: peer_addr.clone(),
-    });
+    let peer_addr = shared.peer.clone();
     {
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         live.retain(|(w, _)| w.strong_count() > 0);
@@ -1127,7 +1158,7 @@ pub(crate) fn start(
     }
     // After the connection is in `LIVE`: a starting watcher acts on the
     // events that queued before it, this connection's included.
-    let device_watch = device_events::watch(&watched)?;
+    let device_watch = device_events::watch(&cm_fd.get_ref().0)?;
     shared
         .cq
         .arm()
