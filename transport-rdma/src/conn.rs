@@ -102,7 +102,7 @@ struct Half {
     own: Hello,
 }
 
-fn make_half(id: &CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
+fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
     let pd = ProtectionDomain::new(id)?;
     let cc = CompletionChannel::new(id)?;
     let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + 4;
@@ -190,9 +190,9 @@ pub(crate) fn connect_blocking(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let channel = EventChannel::new().map_err(e)?;
-    let id = CmId::new(&channel).map_err(e)?;
+    let mut id = CmId::new(&channel).map_err(e)?;
     id.resolve(addr, cfg.connect_timeout).map_err(e)?;
-    let half = make_half(&id, cfg).map_err(e)?;
+    let half = make_half(&mut id, cfg).map_err(e)?;
     let reply = id
         .connect(&half.own.to_bytes(), cfg.connect_timeout)
         .map_err(e)?;
@@ -224,10 +224,10 @@ pub(crate) fn accept_blocking(
             return Err(TransportError::Protocol(format!("{ctx}: {p}")));
         }
     };
-    let half = make_half(&id, cfg).map_err(e)?;
-    let est = finish(id.clone(), half, peer, peer_addr).map_err(e)?;
-    id.accept(&est.own.to_bytes(), cfg.connect_timeout)
-        .map_err(e)?;
+    let half = make_half(&mut id, cfg).map_err(e)?;
+    let mut est = finish(id, half, peer, peer_addr).map_err(e)?;
+    let own = est.own.to_bytes();
+    est.id.accept(&own, cfg.connect_timeout).map_err(e)?;
     Ok(est)
 }
 
@@ -1218,7 +1218,7 @@ fn repost_released(shared: &Shared) {
 /// The connection's driver: completions, connection-manager events,
 /// released slots; ends when the connection failed or both halves are
 /// dropped and everything was sent.
-async fn drive(shared: Arc<Shared>, d: Driver) {
+async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut linger_since: Option<Instant> = None;
     loop {
         drain_cq(&shared);
@@ -1292,7 +1292,7 @@ async fn drive(shared: Arc<Shared>, d: Driver) {
             () = linger => {}
         }
     }
-    let _ = d.cm_fd.get_ref().0.disconnect();
+    let _ = d.cm_fd.get_mut().0.disconnect();
     // Wake whoever waits: they see the failure (or the end).
     shared.lock().wake_all();
 }

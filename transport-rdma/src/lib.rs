@@ -289,7 +289,7 @@ impl Transport for RdmaTransport {
             let ctx = format!("listen on rdma://{addr}");
             let e = |e: verbs::Error| TransportError::io(ctx.clone(), std::io::Error::other(e));
             let channel = EventChannel::new().map_err(e)?;
-            let id = CmId::new(&channel).map_err(e)?;
+            let mut id = CmId::new(&channel).map_err(e)?;
             id.bind(addr).map_err(e)?;
             id.listen(128).map_err(e)?;
             let local = format!("rdma://{}:{}", addr.ip(), id.local_port());

@@ -34,12 +34,12 @@ fn raw_client(
     message: Option<Vec<u8>>,
 ) -> Result<Raw, String> {
     let channel = EventChannel::new().map_err(|e| e.to_string())?;
-    let id = CmId::new(&channel).map_err(|e| e.to_string())?;
+    let mut id = CmId::new(&channel).map_err(|e| e.to_string())?;
     id.resolve(server, STEP).map_err(|e| e.to_string())?;
     let pd = ProtectionDomain::new(&id).map_err(|e| e.to_string())?;
     let cq = CompletionQueue::new(&id, 64).map_err(|e| e.to_string())?;
-    let mut qp =
-        QueuePair::new(&id, &pd, &cq, &cq, QpCapabilities::default()).map_err(|e| e.to_string())?;
+    let mut qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default())
+        .map_err(|e| e.to_string())?;
     let recv = MemoryRegion::new(&pd, 8 * 128, Access::LOCAL_WRITE).map_err(|e| e.to_string())?;
     let region = MemoryRegion::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
         .map_err(|e| e.to_string())?;

@@ -97,7 +97,7 @@ fn serve(
 ) -> Result<(), String> {
     let step = |what: &'static str| move |e: Error| format!("server: {what}: {e}");
     let channel = EventChannel::new().map_err(step("event channel"))?;
-    let listener = CmId::new(&channel).map_err(step("cm_id"))?;
+    let mut listener = CmId::new(&channel).map_err(step("cm_id"))?;
     listener.bind(addr).map_err(|e| {
         format!("server: binding {addr} (is RDMA_TEST_IP an address of the RDMA device?): {e}")
     })?;
@@ -109,10 +109,10 @@ fn serve(
     let request = listener
         .get_request(CONNECT_PATIENCE)
         .map_err(step("waiting for the client"))?;
-    let conn = request.id;
+    let mut conn = request.id;
     let pd = ProtectionDomain::new(&conn).map_err(step("protection domain"))?;
     let cq = CompletionQueue::new(&conn, 32).map_err(step("completion queue"))?;
-    let mut qp = QueuePair::new(&conn, &pd, &cq, &cq, QpCapabilities::default())
+    let mut qp = QueuePair::new(&mut conn, &pd, &cq, &cq, QpCapabilities::default())
         .map_err(step("queue pair"))?;
     let recv_mr =
         MemoryRegion::new(&pd, 2 * SLOT, Access::LOCAL_WRITE).map_err(step("receive region"))?;
@@ -177,7 +177,7 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
     let step = |what: &'static str| move |e: Error| format!("client: {what}: {e}");
     let started = Instant::now();
     let mut attempts = 0;
-    let (conn, pd, cq, mut qp, remote) = loop {
+    let (mut conn, pd, cq, mut qp, remote) = loop {
         attempts += 1;
         match try_connect(server) {
             Ok(connected) => break connected,
@@ -223,11 +223,11 @@ type Connected = (CmId, ProtectionDomain, CompletionQueue, QueuePair, Vec<u8>);
 
 fn try_connect(server: SocketAddr) -> Result<Connected, Error> {
     let channel = EventChannel::new()?;
-    let id = CmId::new(&channel)?;
+    let mut id = CmId::new(&channel)?;
     id.resolve(server, STEP_TIMEOUT)?;
     let pd = ProtectionDomain::new(&id)?;
     let cq = CompletionQueue::new(&id, 32)?;
-    let qp = QueuePair::new(&id, &pd, &cq, &cq, QpCapabilities::default())?;
+    let qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default())?;
     let private = id.connect(&[], STEP_TIMEOUT)?;
     Ok((id, pd, cq, qp, private))
 }

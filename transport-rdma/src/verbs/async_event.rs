@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 use rdma_sys as ffi;
 use rdma_sys::ibv_event_type as raw_kind;
 
-use super::{errno_error, last_os_error, CmId, CompletionQueue, Error, Result};
+use super::{errno_error, last_os_error, CmId, CompletionQueue, Error, Result, SharedCmId};
 
 /// Identifies a device context (librdmacm's one `ibv_context` per device),
 /// as [`CmId::device_id`] and [`AsyncEvents::device_id`] give it.
@@ -150,11 +150,11 @@ const _: () = assert!(
 /// valid as long as this value.
 pub struct AsyncEvents {
     ctx: NonNull<ffi::ibv_context>,
-    _anchor: CmId,
+    _anchor: SharedCmId,
 }
 
 // SAFETY: libibverbs calls on a context are thread-safe; the value only
-// holds the pointer (kept valid by the `CmId`) and a Send + Sync `CmId`.
+// holds the pointer (kept valid by the `SharedCmId`) and a Send + Sync `SharedCmId`.
 unsafe impl Send for AsyncEvents {}
 // SAFETY: as for Send.
 unsafe impl Sync for AsyncEvents {}
@@ -166,7 +166,7 @@ impl AsyncEvents {
         let ctx = id.verbs()?;
         let events = Self {
             ctx,
-            _anchor: id.clone(),
+            _anchor: id.share(),
         };
         let fd = events.fd();
         // SAFETY: `fd` is the context's open descriptor; F_GETFL/F_SETFL

@@ -226,16 +226,32 @@ impl Event {
 
 /// An `rdma_cm_id` in the TCP port space (reliable connected QPs): the
 /// connection manager's handle for one listener or one connection.
-/// Cloning shares the same `cm_id`; it is destroyed when the last clone
-/// (and everything made from it) is dropped.
+/// It has one owner (not `Clone`): librdmacm updates the `rdma_cm_id`
+/// structure in the calls that move it through its states (bind, resolve,
+/// connect, accept, reject, disconnect, creating its QP), so those take
+/// `&mut self`, and `&self` methods only read fields those calls set
+/// earlier. The objects made from it hold a [`SharedCmId`] that keeps it
+/// alive; it is destroyed when the owner and all of those are dropped.
 ///
 /// The waiting methods take the channel's next event and fail if it is not
 /// the one they wait for: the channel is a sequence of steps, so keep one
 /// connection set-up at a time per channel (a listener's channel also
 /// carries its accepted connections' events).
-#[derive(Clone)]
 pub struct CmId {
     inner: Arc<CmIdInner>,
+}
+
+/// What the objects made from a [`CmId`] (its QP, PD, CQs, channels) hold:
+/// keeps the `cm_id` alive and gives its pointer, for the object's own
+/// calls (the QP's `rdma_destroy_qp`, which changes only the id's `qp`
+/// field, which only that QP reads). Not a way to change the id's state.
+#[derive(Clone)]
+pub(crate) struct SharedCmId(Arc<CmIdInner>);
+
+impl SharedCmId {
+    pub(crate) fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
+        self.0.raw.as_ptr()
+    }
 }
 
 struct CmIdInner {
@@ -245,14 +261,17 @@ struct CmIdInner {
 
 // SAFETY: librdmacm calls on an id are thread-safe; the value only holds
 // the pointer (destroyed once in Drop) and an `Arc` of a Send + Sync channel.
+// Sync: through `&CmId` and `SharedCmId` only fields set before are read
+// (and the QP's own `qp` field written by its owner); every call that
+// changes the id's state needs `&mut CmId`, the one owner.
 unsafe impl Send for CmIdInner {}
 // SAFETY: as for Send.
 unsafe impl Sync for CmIdInner {}
 
 impl Drop for CmIdInner {
     fn drop(&mut self) {
-        // SAFETY: the QP, PD, CQs and MRs made from this id hold a `CmId`
-        // clone, so all are gone; events are acknowledged as soon as they
+        // SAFETY: the QP, PD, CQs and MRs made from this id hold a
+        // `SharedCmId`, so all are gone; events are acknowledged as soon as they
         // are read, so rdma_destroy_id does not wait for any.
         unsafe { ffi::rdma_destroy_id(self.raw.as_ptr()) };
     }
@@ -363,7 +382,7 @@ impl CmId {
 
     /// Refuses this connect request (`rdma_reject`), with `private_data`
     /// for the client.
-    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+    pub fn reject(&mut self, private_data: &[u8]) -> Result<()> {
         let len = u8::try_from(private_data.len())
             .map_err(|_| Error::PrivateDataTooLong(private_data.len()))?;
         // SAFETY: the id is live (from a connect request); the private data
@@ -377,6 +396,11 @@ impl CmId {
 
     pub(crate) fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
         self.inner.raw.as_ptr()
+    }
+
+    /// A hold on the id for an object made from it.
+    pub(crate) fn share(&self) -> SharedCmId {
+        SharedCmId(Arc::clone(&self.inner))
     }
 
     /// The verbs context of the device the id is bound to.
@@ -397,7 +421,7 @@ impl CmId {
     }
 
     /// Binds to a local address (`rdma_bind_addr`); port 0 picks one.
-    pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+    pub fn bind(&mut self, addr: SocketAddr) -> Result<()> {
         let mut sin = sockaddr_in(addr)?;
         // SAFETY: the id is live; `sin` is a valid sockaddr_in, which
         // librdmacm reads (and copies) during the call.
@@ -413,7 +437,7 @@ impl CmId {
     }
 
     /// Starts listening for connect requests (`rdma_listen`).
-    pub fn listen(&self, backlog: i32) -> Result<()> {
+    pub fn listen(&mut self, backlog: i32) -> Result<()> {
         // SAFETY: the id is live and bound.
         if unsafe { ffi::rdma_listen(self.as_ptr(), backlog) } == 0 {
             Ok(())
@@ -436,7 +460,7 @@ impl CmId {
 
     /// Resolves `addr` to a device and a route (`rdma_resolve_addr`, then
     /// `rdma_resolve_route`), waiting for each.
-    pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+    pub fn resolve(&mut self, addr: SocketAddr, timeout: Duration) -> Result<()> {
         let mut sin = sockaddr_in(addr)?;
         let ms = i32::try_from(timeout.as_millis())
             .unwrap_or(i32::MAX)
@@ -473,7 +497,7 @@ impl CmId {
     /// Connects (`rdma_connect`) and waits until the connection is
     /// established; returns the server's private data (may be zero-padded).
     /// Create the id's [`QueuePair`](super::QueuePair) first.
-    pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+    pub fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         let mut param = conn_param(private_data)?;
         // SAFETY: the id is live with a resolved route; `param` and the
         // private data it points to outlive the call, which copies them.
@@ -490,7 +514,7 @@ impl CmId {
     /// Accepts this connect request (`rdma_accept`) and waits until the
     /// connection is established. Create the id's
     /// [`QueuePair`](super::QueuePair) (and post receives) first.
-    pub fn accept(&self, private_data: &[u8], timeout: Duration) -> Result<()> {
+    pub fn accept(&mut self, private_data: &[u8], timeout: Duration) -> Result<()> {
         let mut param = conn_param(private_data)?;
         // SAFETY: the id is live (from a connect request); `param` and its
         // private data outlive the call, which copies them.
@@ -504,7 +528,7 @@ impl CmId {
     }
 
     /// Starts tearing the connection down (`rdma_disconnect`).
-    pub fn disconnect(&self) -> Result<()> {
+    pub fn disconnect(&mut self) -> Result<()> {
         // SAFETY: the id is live.
         if unsafe { ffi::rdma_disconnect(self.as_ptr()) } == 0 {
             Ok(())

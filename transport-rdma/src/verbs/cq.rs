@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use super::{errno_error, last_os_error, CmId, Error, Result};
+use super::{errno_error, last_os_error, CmId, Error, Result, SharedCmId};
 
 /// An `ibv_cq` on the device of a [`CmId`], polled (no completion channel
 /// yet). Cloning shares the same CQ.
@@ -21,7 +21,7 @@ pub(crate) struct CqInner {
     /// The channel it reports to, if any (destroyed after the CQ).
     _channel: Option<CompletionChannel>,
     /// Keeps the device context alive.
-    _id: CmId,
+    _id: SharedCmId,
 }
 
 // SAFETY: libibverbs calls on a CQ are thread-safe; the value only holds
@@ -40,11 +40,11 @@ pub struct CompletionChannel {
 struct CompChannelInner {
     raw: NonNull<ffi::ibv_comp_channel>,
     /// Keeps the device context alive.
-    _id: CmId,
+    _id: SharedCmId,
 }
 
 // SAFETY: libibverbs calls on a completion channel are thread-safe; the
-// value only holds the pointer (destroyed once in Drop) and a `CmId`.
+// value only holds the pointer (destroyed once in Drop) and a `SharedCmId`.
 unsafe impl Send for CompChannelInner {}
 // SAFETY: as for Send.
 unsafe impl Sync for CompChannelInner {}
@@ -60,7 +60,7 @@ impl CompletionChannel {
         let channel = Self {
             inner: Arc::new(CompChannelInner {
                 raw,
-                _id: id.clone(),
+                _id: id.share(),
             }),
         };
         let fd = channel.fd();
@@ -160,7 +160,7 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: None,
-                _id: id.clone(),
+                _id: id.share(),
             }),
         })
     }
@@ -186,7 +186,7 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: Some(channel.clone()),
-                _id: id.clone(),
+                _id: id.share(),
             }),
         })
     }

@@ -27,7 +27,10 @@
 //! libibverbs calls are thread-safe, so the handles are `Send`, and those
 //! without interior state `Sync`. A memory region's buffer is shared with
 //! the device, so [`MemoryRegion`] is only `Send`; posting to a
-//! [`QueuePair`] takes `&mut self`.
+//! [`QueuePair`] takes `&mut self`; a [`CmId`] has one owner (not
+//! `Clone`) and its state-changing calls (bind, resolve, connect, accept,
+//! reject, disconnect, creating its QP) take `&mut self`, since librdmacm
+//! updates the `rdma_cm_id` structure in them.
 //!
 //! # Time limits
 //! Every wait takes a timeout: connection-manager events through `poll(2)`
@@ -46,6 +49,7 @@ mod qp;
 pub use rdma_sys as ffi;
 
 pub use async_event::{AsyncEvent, AsyncEventKind, AsyncEvents, CqId, DeviceId, EventElement};
+pub(crate) use cm::SharedCmId;
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};

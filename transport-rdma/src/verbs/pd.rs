@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
-use super::{last_os_error, CmId, Error, Result};
+use super::{last_os_error, CmId, Error, Result, SharedCmId};
 
 /// An `ibv_pd` on the device of a [`CmId`]: memory regions and queue pairs
 /// must share one to work together.
@@ -17,11 +17,11 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) raw: NonNull<ffi::ibv_pd>,
     /// Keeps the device context (owned through the id) alive.
-    _id: CmId,
+    _id: SharedCmId,
 }
 
 // SAFETY: libibverbs calls on a PD are thread-safe; the value only holds
-// the pointer (deallocated once in Drop) and a Send + Sync `CmId`.
+// the pointer (deallocated once in Drop) and a Send + Sync `SharedCmId`.
 unsafe impl Send for PdInner {}
 // SAFETY: as for Send.
 unsafe impl Sync for PdInner {}
@@ -38,7 +38,7 @@ impl ProtectionDomain {
         Ok(Self {
             inner: Arc::new(PdInner {
                 raw,
-                _id: id.clone(),
+                _id: id.share(),
             }),
         })
     }

@@ -11,7 +11,7 @@ use super::pd::PdInner;
 use super::Result;
 use super::{
     errno_error, last_os_error, CmId, CompletionQueue, Error, MemoryRegion, ProtectionDomain,
-    RemoteRegion,
+    RemoteRegion, SharedCmId,
 };
 
 /// Queue sizes of a [`QueuePair`].
@@ -38,7 +38,7 @@ impl Default for QpCapabilities {
 /// Posting takes `&mut self`, and is `unsafe`: the device uses the posted
 /// memory after the call returns (see each method's `# Safety`).
 pub struct QueuePair {
-    id: CmId,
+    id: SharedCmId,
     pd: Arc<PdInner>,
     _send_cq: Arc<CqInner>,
     _recv_cq: Arc<CqInner>,
@@ -52,8 +52,9 @@ impl QueuePair {
     /// Creates the id's RC queue pair on `pd`, completing into `send_cq`
     /// and `recv_cq` (which may be the same). One scatter/gather entry per
     /// request, no inline data.
+    /// Takes `&mut` id: creating the QP sets the id's `qp` field.
     pub fn new(
-        id: &CmId,
+        id: &mut CmId,
         pd: &ProtectionDomain,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
@@ -80,7 +81,7 @@ impl QueuePair {
             return Err(Error::CreateQp(last_os_error()));
         }
         Ok(Self {
-            id: id.clone(),
+            id: id.share(),
             pd: Arc::clone(&pd.inner),
             _send_cq: Arc::clone(&send_cq.inner),
             _recv_cq: Arc::clone(&recv_cq.inner),
