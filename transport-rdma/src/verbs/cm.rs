@@ -230,7 +230,7 @@ impl Event {
 /// structure in the calls that move it through its states (bind, resolve,
 /// connect, accept, reject, disconnect, creating its QP), so those take
 /// `&mut self`, and `&self` methods only read fields those calls set
-/// earlier. The objects made from it hold a [`SharedCmId`] that keeps it
+/// earlier. The objects made from it hold a shared handle that keeps it
 /// alive; it is destroyed when the owner and all of those are dropped.
 ///
 /// The waiting methods take the channel's next event and fail if it is not
@@ -329,8 +329,8 @@ impl CmId {
 
     /// Moves this id's events to `channel` (`rdma_migrate_id`), e.g. an
     /// accepted connection's away from its listener's channel. Fails with
-    /// [`Error::Shared`] if the id has other clones (or objects made from
-    /// it) yet: do it first.
+    /// [`Error::Shared`] if objects made from it (holding a
+    /// shared handle) exist yet: do it first.
     pub fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<()> {
         let inner = Arc::get_mut(&mut self.inner).ok_or(Error::Shared)?;
         // SAFETY: the id and both channels are live; no event of the id is
