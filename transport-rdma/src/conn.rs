@@ -714,6 +714,46 @@ struct RdmaSink {
     shared: Arc<Shared>,
 }
 
+/// Gives back the send slot (and the region space) a frame was given if
+/// encoding it into registered memory panics (a payload's encoder may);
+/// [`encoded`](Self::encoded) disarms it. Held while the connection's lock
+/// is: the space is the region writer's newest allocation (see `poll_send`).
+struct ReturnOnUnwind<'a> {
+    state: &'a mut State,
+    slot: u32,
+    /// The region writer's head before the frame's allocation, if it has one.
+    region_head: Option<u64>,
+}
+
+impl ReturnOnUnwind<'_> {
+    /// The frame was encoded: it keeps what it was given.
+    fn encoded(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for ReturnOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.state.free_send.push(self.slot);
+        if let Some(head) = self.region_head {
+            self.state.writer.roll_back_to(head);
+        }
+        self.state.wake_senders();
+    }
+}
+
+/// Gives back the heap frame's place (`heap_queued`) if encoding a frame
+/// onto the heap, outside the lock, panics; forgotten once it is encoded.
+struct ReleaseHeapOnUnwind<'a>(&'a Shared);
+
+impl Drop for ReleaseHeapOnUnwind<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.heap_queued = false;
+        st.wake_senders();
+    }
+}
+
 impl FrameSink for RdmaSink {
     fn poll_send(
         &self,
@@ -747,7 +787,13 @@ impl FrameSink for RdmaSink {
                 // slice covers it; it is inside the send region (len fits a
                 // slot after the header: len <= inline_max).
                 let mut dst = unsafe { mem.send.slice_mut(start..start + len) };
+                let encoding = ReturnOnUnwind {
+                    state: &mut st,
+                    slot,
+                    region_head: None,
+                };
                 frame.encode(&mut dst);
+                encoding.encoded();
                 st.queue.push_back(Out::Inline {
                     slot,
                     len: len as u32,
@@ -762,6 +808,7 @@ impl FrameSink for RdmaSink {
                     st.wait_send(cx);
                     return Poll::Pending;
                 };
+                let head_before = st.writer.head();
                 let Some(pos) = st.writer.alloc(len as u64) else {
                     st.free_send.push(slot);
                     st.wait_send(cx);
@@ -771,7 +818,17 @@ impl FrameSink for RdmaSink {
                 // SAFETY: just allocated in the staging region: no posted
                 // WRITE reads it (the peer freed it) and no other slice.
                 let mut dst = unsafe { mem.staging.slice_mut(off..off + len) };
+                // The lock is held from the allocation to the end of the
+                // encoding, so this allocation is still the writer's newest
+                // and nothing was announced beyond `head_before`: rolling
+                // back to it on a panic is exact.
+                let encoding = ReturnOnUnwind {
+                    state: &mut st,
+                    slot,
+                    region_head: Some(head_before),
+                };
                 frame.encode(&mut dst);
+                encoding.encoded();
                 st.queue.push_back(Out::Region {
                     slot,
                     pos,
@@ -783,10 +840,31 @@ impl FrameSink for RdmaSink {
                     st.wait_send(cx);
                     return Poll::Pending;
                 }
+                // Reserve the one heap frame's place, then encode (up to
+                // the frame limit, 64 MiB) without the connection's lock:
+                // completions, receivers and other senders go on meanwhile.
+                st.heap_queued = true;
+                drop(st);
+                let encoding = ReleaseHeapOnUnwind(shared);
                 let mut data = Vec::with_capacity(len);
                 frame.encode(&mut data);
-                st.heap_queued = true;
+                std::mem::forget(encoding);
+                let mut st = shared.lock();
+                let gone = if let Some(e) = st.error() {
+                    Some(e)
+                } else if st.closing || st.peer_gone {
+                    Some(TransportError::Closed)
+                } else {
+                    None
+                };
+                if let Some(e) = gone {
+                    st.heap_queued = false;
+                    st.wake_senders();
+                    return Poll::Ready(Err(e));
+                }
                 st.queue.push_back(Out::Heap { data, done: 0 });
+                st.pump(mem);
+                return Poll::Ready(Ok(()));
             }
         }
         st.pump(mem);

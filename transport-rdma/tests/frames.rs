@@ -396,3 +396,63 @@ async fn frames_across_the_wire() {
         }
     }
 }
+
+/// A payload whose encoder writes half of it, then panics (as a user's
+/// `EncodePayload` may).
+struct PanickingPayload(usize);
+
+impl rpc_core::frame::EncodePayload for PanickingPayload {
+    fn payload_len(&self) -> usize {
+        self.0
+    }
+    fn encode_payload(&self, dst: &mut dyn bytes::BufMut) {
+        dst.put_bytes(0xee, self.0 / 2);
+        panic!("the payload's encoder panics (on purpose)");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_panicking_encoder_gives_back_its_slot_and_region_space() {
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env, &tiny()).await;
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    // Inline (8 send slots), one region chunk (8 KiB region), chunked (the
+    // one heap frame's place): each 20 times, more than each has room for
+    // if a panic kept what it was given.
+    for payload_len in [100, 2000, 20_000] {
+        let payload = PanickingPayload(payload_len);
+        let frame = OutFrame::new(1, OutBody::Message, None, false)
+            .expect("frame")
+            .with_payload(&payload);
+        for attempt in 0..20 {
+            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                client.sink.poll_send(&mut cx, &frame)
+            }));
+            match sent {
+                Err(_) => {}
+                Ok(poll) => panic!(
+                    "{payload_len}-byte payload, attempt {attempt}: the encoder did not run \
+                     ({poll:?}): an earlier panic kept what it was given; state:\n{}",
+                    transport_rdma::debug_dump()
+                ),
+            }
+        }
+    }
+    // Every route still sends, and the peer gets exactly these frames.
+    let bodies: Vec<Bytes> = [100, 2000, 20_000]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| payload(i, n))
+        .collect();
+    for (i, body) in bodies.iter().enumerate() {
+        send(&client.sink, i as u64, body)
+            .await
+            .expect("sends after the panics");
+    }
+    for (i, body) in bodies.iter().enumerate() {
+        let frame = recv(&mut server).await.expect("receives").expect("a frame");
+        check(&frame, i as u64, body);
+    }
+}

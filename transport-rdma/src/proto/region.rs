@@ -68,6 +68,29 @@ impl RegionWriter {
         Some(pos)
     }
 
+    /// Where the next allocation starts looking (the end of the newest
+    /// one): pass it to [`roll_back_to`](Self::roll_back_to) to undo the
+    /// allocations made after reading it.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+
+    /// Undoes the allocations made since [`head`](Self::head) returned
+    /// `head` (the newest ones: allocation is in order, so they are the
+    /// last bytes allocated). For space allocated to a frame that was never
+    /// sent (its encoding panicked); nothing announced to the peer may lie
+    /// beyond `head`. Panics if `head` is not between the freed and the
+    /// allocated end.
+    pub fn roll_back_to(&mut self, head: u64) {
+        assert!(
+            self.tail <= head && head <= self.head,
+            "roll back to {head}, outside {}..={}",
+            self.tail,
+            self.head
+        );
+        self.head = head;
+    }
+
     /// The offset in the region of stream position `pos`.
     pub fn offset(&self, pos: u64) -> usize {
         (pos % self.len) as usize
@@ -168,6 +191,22 @@ impl RegionReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rolling_back_the_newest_allocation_frees_its_space_and_its_skip() {
+        let mut w = RegionWriter::new(100);
+        assert_eq!(w.alloc(40), Some(0));
+        assert_eq!(w.alloc(40), Some(40));
+        w.on_freed(80).unwrap();
+        let before = w.head();
+        // 30 bytes do not fit before the end: the chunk skips to 100.
+        assert_eq!(w.alloc(30), Some(100));
+        assert_eq!(w.in_use(), 50, "the skipped 20 bytes count as used");
+        w.roll_back_to(before);
+        assert_eq!(w.in_use(), 0, "the chunk and its skip went back");
+        // Placed exactly as before: the peer's reader sees no gap.
+        assert_eq!(w.alloc(30), Some(100));
+    }
 
     #[test]
     fn allocates_in_order_and_skips_the_tail() {
