@@ -16,7 +16,6 @@
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it.
 
-use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -35,8 +34,8 @@ use tokio::sync::Notify;
 
 use crate::device_events::{self, Placement, Target};
 use crate::proto::{
-    self, Assembled, CreditWindow, Delivery, Header, Hello, Kind, Reassembly, RecvRing,
-    RegionReader, RegionWriter, Route, FIRST, HEADER_LEN, LAST,
+    self, Completion, Delivered, EncodeInto, Hello, ReadReceived, Refusal, Reservation,
+    SendDecision, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS,
 };
 use crate::verbs::DeviceId;
 use crate::verbs::{
@@ -44,22 +43,6 @@ use crate::verbs::{
     QpCapabilities, QueuePair, RemoteRegion, WorkCompletion,
 };
 use crate::RdmaTransport;
-
-/// Send slots reserved for control messages (credits, close).
-pub(crate) const CTRL_SLOTS: u32 = 4;
-/// Send slots reserved for the chunks of a heap-encoded frame (frames queued
-/// behind it may hold every data slot).
-pub(crate) const HEAP_SLOTS: u32 = 4;
-
-const TAG_RECV: u64 = 1;
-const TAG_SEND: u64 = 2;
-const TAG_CTRL: u64 = 3;
-const TAG_WRITE: u64 = 4;
-const TAG_HEAP: u64 = 5;
-
-fn wr_id(tag: u64, index: u32) -> u64 {
-    (tag << 32) | u64::from(index)
-}
 
 fn io_error(context: impl Into<String>, e: impl std::fmt::Display) -> TransportError {
     TransportError::io(context, io::Error::other(e.to_string()))
@@ -151,7 +134,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         unsafe {
             wired
                 .qp
-                .post_recv(wr_id(TAG_RECV, i), &wired.recv, start..start + slot)?
+                .post_recv(WorkKind::Recv.wr_id(i), &wired.recv, start..start + slot)?
         };
     }
     Ok(half)
@@ -265,6 +248,7 @@ struct Buffers {
     send: MemoryRegion,
     staging: MemoryRegion,
     slot_size: usize,
+    ring_slots: u32,
     peer_slot_size: usize,
     peer_region: RemoteRegion,
 }
@@ -293,57 +277,14 @@ impl Buffers {
     }
 }
 
-/// One queued outgoing message.
-enum Out {
-    /// Frame encoded in a send slot after the header space.
-    Inline { slot: u32, len: u32 },
-    /// Frame encoded in the staging region at `pos`; `slot` carries the header.
-    Region { slot: u32, pos: u64, len: u32 },
-    /// Frame larger than a chunk, encoded on the heap; sent chunk by chunk.
-    Heap { data: Vec<u8>, done: usize },
-}
-
-/// A received message not yet handed to the application.
-enum Arrived {
-    Inline {
-        slot: u32,
-        len: u32,
-    },
-    Chunk {
-        slot: u32,
-        header: Header,
-        offset: usize,
-    },
-    Eof,
-}
-
+/// The connection's state, under its mutex: the queue pair (posting needs
+/// `&mut`) and the protocol that decides what is posted.
 struct State {
     qp: QueuePair,
-    // sending
-    credits: CreditWindow,
-    writer: RegionWriter,
-    queue: VecDeque<Out>,
-    free_send: Vec<u32>,
-    free_ctrl: Vec<u32>,
-    free_heap: Vec<u32>,
-    heap_queued: bool,
+    proto: proto::Connection,
     send_waiters: Vec<Waker>,
-    inline_max: usize,
-    in_flight: u32,
-    // receiving
-    ring: RecvRing,
-    reader: RegionReader,
-    reassembly: Reassembly,
-    arrived: VecDeque<Arrived>,
     recv_waker: Option<Waker>,
     max_frame_len: usize,
-    // lifecycle
-    failed: Option<String>,
-    /// The peer closed in order (sent `Close`), then disconnected.
-    disconnected: bool,
-    closing: bool,
-    close_sent: bool,
-    peer_gone: bool,
     handles: u32,
 }
 
@@ -363,33 +304,54 @@ impl Shared {
     }
 }
 
+/// The verbs layer reads received bytes for the protocol by raw copies.
+impl ReadReceived for Buffers {
+    fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
+        self.recv
+            .read_into(self.recv_slot(slot).start + offset, dst);
+    }
+
+    fn read_region(&self, offset: usize, dst: &mut [u8]) {
+        self.region.read_into(offset, dst);
+    }
+}
+
+fn connection_error(reason: &str) -> TransportError {
+    TransportError::io(
+        "RDMA connection",
+        io::Error::new(io::ErrorKind::ConnectionReset, reason.to_string()),
+    )
+}
+
+fn refusal_error(refusal: Refusal) -> TransportError {
+    match refusal {
+        Refusal::Failed(reason) => connection_error(&reason),
+        Refusal::Closed => TransportError::Closed,
+        Refusal::TooLong(len) => TransportError::Protocol(format!(
+            "frame of {len} bytes is too long for the RDMA transport"
+        )),
+    }
+}
+
 impl State {
+    /// Wakes whom the protocol's last decisions concern.
+    fn wake(&mut self) {
+        let wake = self.proto.take_wakeups();
+        if wake.senders {
+            for w in self.send_waiters.drain(..) {
+                w.wake();
+            }
+        }
+        if wake.receiver {
+            if let Some(w) = self.recv_waker.take() {
+                w.wake();
+            }
+        }
+    }
+
     fn fail(&mut self, reason: String) {
-        if self.failed.is_none() {
-            tracing::debug!("RDMA connection failed: {reason}");
-            self.failed = Some(reason);
-        }
-        self.wake_all();
-    }
-
-    /// The peer broke the protocol: fail, and drop what it sent (the
-    /// region it may still write is not read again).
-    fn fail_protocol(&mut self, reason: String) {
-        self.arrived.clear();
-        self.fail(format!("peer broke the protocol: {reason}"));
-    }
-
-    fn wake_all(&mut self) {
-        self.wake_senders();
-        if let Some(w) = self.recv_waker.take() {
-            w.wake();
-        }
-    }
-
-    fn wake_senders(&mut self) {
-        for w in self.send_waiters.drain(..) {
-            w.wake();
-        }
+        self.proto.fail(reason);
+        self.wake();
     }
 
     fn wait_send(&mut self, cx: &Context<'_>) {
@@ -398,175 +360,74 @@ impl State {
         }
     }
 
-    fn error(&self) -> Option<TransportError> {
-        self.failed.as_ref().map(|reason| {
-            TransportError::io(
-                "RDMA connection",
-                io::Error::new(io::ErrorKind::ConnectionReset, reason.clone()),
-            )
-        })
-    }
-
-    fn stamp(&mut self, header: &mut Header) {
-        header.credits = self.ring.take_credits();
-        header.freed_to = self.reader.report();
-    }
-
-    fn repost(&mut self, mem: &Buffers, slot: u32) -> Result<(), crate::verbs::Error> {
-        // SAFETY: the slot's previous message has been handled and nothing
-        // refers to its bytes any more (its guard, if any, was dropped); the
-        // memory outlives the QP (see `Shared`).
-        unsafe {
-            self.qp
-                .post_recv(wr_id(TAG_RECV, slot), &mem.recv, mem.recv_slot(slot))
+    /// Posts every work request the protocol decided, in order; then wakes.
+    fn flush(&mut self, mem: &Buffers) {
+        while let Some(transmit) = self.proto.poll_transmit() {
+            if let Err(e) = self.post(mem, transmit) {
+                self.proto.fail(format!("posting to the queue pair: {e}"));
+                break;
+            }
         }
+        self.wake();
     }
 
-    /// Posts a SEND of `header` (+ `body_len` bytes already in the slot).
-    fn post_header(
-        &mut self,
-        mem: &Buffers,
-        tag: u64,
-        slot: u32,
-        mut header: Header,
-        body_len: usize,
-    ) -> Result<(), crate::verbs::Error> {
-        self.stamp(&mut header);
-        let range = mem.send_slot(slot);
-        let start = range.start;
-        // SAFETY: the slot is owned by this queued message (not posted, no
-        // other slice); the header bytes are inside it.
-        let dst = unsafe { mem.send.slice_mut(start..start + HEADER_LEN) };
-        header.encode(dst.try_into().expect("HEADER_LEN bytes"));
-        // SAFETY: the slot stays untouched until its send completion frees
-        // it; the memory outlives the QP.
-        unsafe {
-            self.qp.post_send(
-                wr_id(tag, slot),
-                &mem.send,
-                start..start + HEADER_LEN + body_len,
-            )?
-        };
-        self.in_flight += 1;
-        Ok(())
-    }
-
-    fn post_write(
-        &mut self,
-        mem: &Buffers,
-        pos: u64,
-        len: usize,
-    ) -> Result<(), crate::verbs::Error> {
-        let off = self.writer.offset(pos);
-        // SAFETY: `staging[off..off + len]` holds this chunk, allocated to it
-        // until the peer reports it freed (after the WRITE landed); the
-        // memory outlives the QP.
-        unsafe {
-            self.qp.post_write(
-                wr_id(TAG_WRITE, 0),
-                &mem.staging,
-                off..off + len,
-                mem.peer_region,
-                off as u64,
-            )?
-        };
-        self.in_flight += 1;
-        Ok(())
-    }
-
-    /// Posts whatever the credits and the peer's free space allow.
-    fn pump(&mut self, mem: &Buffers) {
-        if self.failed.is_some() {
-            return;
-        }
-        if let Err(e) = self.try_pump(mem) {
-            self.fail(format!("posting to the queue pair: {e}"));
-        }
-    }
-
-    fn try_pump(&mut self, mem: &Buffers) -> Result<(), crate::verbs::Error> {
-        while let Some(front) = self.queue.front_mut() {
-            match front {
-                Out::Inline { slot, len } => {
-                    let (slot, len) = (*slot, *len);
-                    if !self.credits.take_data() {
-                        break;
-                    }
-                    self.queue.pop_front();
-                    let mut h = Header::new(Kind::Inline);
-                    h.len = len;
-                    self.post_header(mem, TAG_SEND, slot, h, len as usize)?;
+    fn post(&mut self, mem: &Buffers, transmit: Transmit) -> Result<(), crate::verbs::Error> {
+        match transmit {
+            Transmit::Recv { slot } => {
+                // SAFETY: the protocol reposts a slot only once its message
+                // was handled and nothing refers to its bytes any more (its
+                // guard, if any, was dropped); the memory outlives the QP
+                // (see `Shared`).
+                unsafe {
+                    self.qp
+                        .post_recv(WorkKind::Recv.wr_id(slot), &mem.recv, mem.recv_slot(slot))
                 }
-                Out::Region { slot, pos, len } => {
-                    let (slot, pos, len) = (*slot, *pos, *len);
-                    if !self.credits.take_data() {
-                        break;
-                    }
-                    self.queue.pop_front();
-                    self.post_write(mem, pos, len as usize)?;
-                    let mut h = Header::new(Kind::Chunk);
-                    h.flags = FIRST | LAST;
-                    h.len = len;
-                    h.total = len;
-                    h.pos = pos;
-                    self.post_header(mem, TAG_SEND, slot, h, 0)?;
+            }
+            Transmit::Write {
+                offset, len, data, ..
+            } => {
+                if let Some(data) = data {
+                    // The chunk's staging bytes were just allocated to it:
+                    // no posted WRITE reads them (the peer freed them, so
+                    // earlier WRITEs landed) and no slice covers them.
+                    mem.staging.write_at(offset, &data);
                 }
-                Out::Heap { data, done } => {
-                    if self.credits.available() < 2 || self.free_heap.is_empty() {
-                        break;
-                    }
-                    let n = (data.len() - *done).min(self.writer.max_chunk() as usize);
-                    let Some(pos) = self.writer.alloc(n as u64) else {
-                        break;
-                    };
-                    let slot = self.free_heap.pop().expect("checked above");
-                    let took = self.credits.take_data();
-                    debug_assert!(took, "checked above");
-                    let off = self.writer.offset(pos);
-                    // SAFETY: just allocated: no posted WRITE uses these
-                    // bytes (the peer freed them, so earlier WRITEs landed),
-                    // and no other slice covers them.
-                    let dst = unsafe { mem.staging.slice_mut(off..off + n) };
-                    dst.copy_from_slice(&data[*done..*done + n]);
-                    let mut h = Header::new(Kind::Chunk);
-                    h.len = n as u32;
-                    h.pos = pos;
-                    if *done == 0 {
-                        h.flags |= FIRST;
-                        h.total = data.len() as u32;
-                    }
-                    *done += n;
-                    let last = *done == data.len();
-                    if last {
-                        h.flags |= LAST;
-                        self.queue.pop_front();
-                        self.heap_queued = false;
-                        self.wake_senders();
-                    }
-                    self.post_write(mem, pos, n)?;
-                    self.post_header(mem, TAG_HEAP, slot, h, 0)?;
+                // SAFETY: `staging[offset..offset + len]` holds this chunk,
+                // allocated to it until the peer reports it freed (after the
+                // WRITE landed); the memory outlives the QP.
+                unsafe {
+                    self.qp.post_write(
+                        WorkKind::Write.wr_id(0),
+                        &mem.staging,
+                        offset..offset + len,
+                        mem.peer_region,
+                        offset as u64,
+                    )
+                }
+            }
+            Transmit::Send {
+                kind,
+                slot,
+                header,
+                body_len,
+            } => {
+                let start = mem.send_slot(slot).start;
+                // SAFETY: the slot is owned by this message (the protocol
+                // gave it out and takes it back at the send's completion):
+                // not posted, no other slice; the header is inside it.
+                let dst = unsafe { mem.send.slice_mut(start..start + HEADER_LEN) };
+                header.encode(dst.try_into().expect("HEADER_LEN bytes"));
+                // SAFETY: the slot stays untouched until its send completion
+                // frees it; the memory outlives the QP.
+                unsafe {
+                    self.qp.post_send(
+                        kind.wr_id(slot),
+                        &mem.send,
+                        start..start + HEADER_LEN + body_len,
+                    )
                 }
             }
         }
-        if let Some(&slot) = self.free_ctrl.last() {
-            let kind = if self.closing && self.queue.is_empty() && !self.close_sent {
-                Some(Kind::Close)
-            } else if self.ring.wants_credit_message() || self.reader.wants_report() {
-                Some(Kind::Credit)
-            } else {
-                None
-            };
-            if let Some(kind) = kind {
-                if self.credits.take_control() {
-                    self.free_ctrl.pop();
-                    if kind == Kind::Close {
-                        self.close_sent = true;
-                    }
-                    self.post_header(mem, TAG_CTRL, slot, Header::new(kind), 0)?;
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Handles every completion waiting in the CQ, then posts what they
@@ -590,97 +451,33 @@ impl State {
             }
             if n < batch.len() {
                 if total > 0 {
-                    self.pump(mem);
+                    self.flush(mem);
                 }
                 return total;
             }
         }
     }
 
-    /// A receive completed in `slot` with `byte_len` bytes.
-    fn on_receive(&mut self, mem: &Buffers, slot: u32, byte_len: usize) -> Result<(), String> {
-        let range = mem.recv_slot(slot);
-        if byte_len > range.len() {
-            return Err(format!("receive of {byte_len} bytes in a smaller slot"));
-        }
-        // SAFETY: the slot's receive completed, so the device no longer
-        // writes it, and it is not reposted while this slice lives.
-        let msg = unsafe { mem.recv.slice(range.start..range.start + byte_len) };
-        let header = Header::decode(msg, byte_len).map_err(|e| e.to_string())?;
-        self.ring.on_arrival().map_err(|e| e.to_string())?;
-        self.credits
-            .grant(header.credits)
-            .map_err(|e| e.to_string())?;
-        self.writer
-            .on_freed(header.freed_to)
-            .map_err(|e| e.to_string())?;
-        self.wake_senders();
-        match header.kind {
-            Kind::Inline => {
-                self.arrived.push_back(Arrived::Inline {
-                    slot,
-                    len: header.len,
-                });
-            }
-            Kind::Chunk => {
-                let offset = self
-                    .reader
-                    .accept(header.pos, header.len.into())
-                    .map_err(|e| e.to_string())?;
-                self.arrived.push_back(Arrived::Chunk {
-                    slot,
-                    header,
-                    offset,
-                });
-            }
-            Kind::Credit | Kind::Close => {
-                self.repost(mem, slot).map_err(|e| e.to_string())?;
-                self.ring.on_reposted();
-                if header.kind == Kind::Close {
-                    self.arrived.push_back(Arrived::Eof);
-                    self.peer_gone = true;
-                }
-            }
-        }
-        if let Some(w) = self.recv_waker.take() {
-            w.wake();
-        }
-        Ok(())
-    }
-
+    /// Feeds one completion to the protocol, with a receive's header copied
+    /// out of its slot.
     fn on_completion(&mut self, mem: &Buffers, wc: &WorkCompletion) {
-        let tag = wc.wr_id >> 32;
-        let index = wc.wr_id as u32;
-        if tag != TAG_RECV {
-            self.in_flight = self.in_flight.saturating_sub(1);
-        }
-        if self.failed.is_some() {
-            return;
-        }
-        if !wc.is_ok() {
-            if self.failed.is_none() {
-                self.fail(format!(
-                    "work request failed: {} (status {})",
-                    wc.status_name(),
-                    wc.status
-                ));
+        let failure = (!wc.is_ok()).then(|| format!("{} (status {})", wc.status_name(), wc.status));
+        let mut header = [0; HEADER_LEN];
+        let mut header_len = 0;
+        if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
+            if failure.is_none() && slot < mem.ring_slots {
+                header_len = (wc.byte_len as usize).min(HEADER_LEN);
+                // A raw copy out of the slot whose receive completed: the
+                // device no longer writes it.
+                mem.read_slot(slot, 0, &mut header[..header_len]);
             }
-            return;
         }
-        match tag {
-            TAG_RECV => {
-                if let Err(e) = self.on_receive(mem, index, wc.byte_len as usize) {
-                    self.fail_protocol(e);
-                }
-            }
-            TAG_SEND => {
-                self.free_send.push(index);
-                self.wake_senders();
-            }
-            TAG_CTRL => self.free_ctrl.push(index),
-            TAG_HEAP => self.free_heap.push(index),
-            _ => {}
-        }
+        self.proto.handle_completion(Completion {
+            wr_id: wc.wr_id,
+            failure: failure.as_deref(),
+            byte_len: wc.byte_len as usize,
+            header: &header[..header_len],
+        });
     }
 }
 
@@ -694,7 +491,8 @@ struct SlotGuard {
 impl AsRef<[u8]> for SlotGuard {
     fn as_ref(&self) -> &[u8] {
         // SAFETY: the slot's receive completed and it is reposted only after
-        // this guard drops; nothing writes it meanwhile.
+        // this guard drops; nothing writes it meanwhile (the ring is local
+        // write only: the peer cannot write it).
         unsafe { self.shared.mem.recv.slice(self.range.clone()) }
     }
 }
@@ -714,43 +512,42 @@ struct RdmaSink {
     shared: Arc<Shared>,
 }
 
-/// Gives back the send slot (and the region space) a frame was given if
-/// encoding it into registered memory panics (a payload's encoder may);
+/// Gives back what a frame was given in registered memory (its send slot,
+/// its region space) if encoding it there panics (a payload's encoder may);
 /// [`encoded`](Self::encoded) disarms it. Held while the connection's lock
-/// is: the space is the region writer's newest allocation (see `poll_send`).
-struct ReturnOnUnwind<'a> {
+/// is, so a region allocation is still the writer's newest: rolling it back
+/// is exact.
+struct CancelOnUnwind<'a> {
     state: &'a mut State,
-    slot: u32,
-    /// The region writer's head before the frame's allocation, if it has one.
-    region_head: Option<u64>,
+    reservation: Reservation,
 }
 
-impl ReturnOnUnwind<'_> {
+impl CancelOnUnwind<'_> {
     /// The frame was encoded: it keeps what it was given.
     fn encoded(self) {
         std::mem::forget(self);
     }
 }
 
-impl Drop for ReturnOnUnwind<'_> {
+impl Drop for CancelOnUnwind<'_> {
     fn drop(&mut self) {
-        self.state.free_send.push(self.slot);
-        if let Some(head) = self.region_head {
-            self.state.writer.roll_back_to(head);
-        }
-        self.state.wake_senders();
+        self.state.proto.cancel_send(self.reservation);
+        self.state.wake();
     }
 }
 
-/// Gives back the heap frame's place (`heap_queued`) if encoding a frame
-/// onto the heap, outside the lock, panics; forgotten once it is encoded.
-struct ReleaseHeapOnUnwind<'a>(&'a Shared);
+/// Gives back the heap frame's place if encoding a frame onto the heap,
+/// outside the lock, panics; forgotten once it is encoded.
+struct CancelHeapOnUnwind<'a> {
+    shared: &'a Shared,
+    reservation: Reservation,
+}
 
-impl Drop for ReleaseHeapOnUnwind<'_> {
+impl Drop for CancelHeapOnUnwind<'_> {
     fn drop(&mut self) {
-        let mut st = self.0.lock();
-        st.heap_queued = false;
-        st.wake_senders();
+        let mut st = self.shared.lock();
+        st.proto.cancel_send(self.reservation);
+        st.wake();
     }
 }
 
@@ -763,122 +560,66 @@ impl FrameSink for RdmaSink {
         let shared = &*self.shared;
         let mem = &shared.mem;
         let mut st = shared.lock();
-        if let Some(e) = st.error() {
-            return Poll::Ready(Err(e));
-        }
-        if st.closing || st.peer_gone {
-            return Poll::Ready(Err(TransportError::Closed));
-        }
         let len = frame.len();
-        if u32::try_from(len).is_err() {
-            return Poll::Ready(Err(TransportError::Protocol(format!(
-                "frame of {len} bytes is too long for the RDMA transport"
-            ))));
-        }
-        let max_chunk = st.writer.max_chunk() as usize;
-        match proto::route(len, st.inline_max, max_chunk) {
-            Route::Inline => {
-                let Some(slot) = st.free_send.pop() else {
-                    st.wait_send(cx);
-                    return Poll::Pending;
-                };
+        let reservation = match st.proto.handle_send(len) {
+            SendDecision::Encode(reservation) => reservation,
+            SendDecision::Wait => {
+                st.wait_send(cx);
+                return Poll::Pending;
+            }
+            SendDecision::Refused(refusal) => return Poll::Ready(Err(refusal_error(refusal))),
+        };
+        let in_place = match st.proto.encode_into(&reservation) {
+            EncodeInto::SendSlot { slot } => {
                 let start = mem.send_slot(slot).start + HEADER_LEN;
                 // SAFETY: the slot was free: no posted send and no other
                 // slice covers it; it is inside the send region (len fits a
                 // slot after the header: len <= inline_max).
-                let mut dst = unsafe { mem.send.slice_mut(start..start + len) };
-                let encoding = ReturnOnUnwind {
-                    state: &mut st,
-                    slot,
-                    region_head: None,
-                };
-                frame.encode(&mut dst);
-                encoding.encoded();
-                st.queue.push_back(Out::Inline {
-                    slot,
-                    len: len as u32,
-                });
+                Some(unsafe { mem.send.slice_mut(start..start + len) })
             }
-            Route::Region => {
-                if st.heap_queued {
-                    st.wait_send(cx);
-                    return Poll::Pending;
-                }
-                let Some(slot) = st.free_send.pop() else {
-                    st.wait_send(cx);
-                    return Poll::Pending;
-                };
-                let head_before = st.writer.head();
-                let Some(pos) = st.writer.alloc(len as u64) else {
-                    st.free_send.push(slot);
-                    st.wait_send(cx);
-                    return Poll::Pending;
-                };
-                let off = st.writer.offset(pos);
+            EncodeInto::Staging { offset } => {
                 // SAFETY: just allocated in the staging region: no posted
                 // WRITE reads it (the peer freed it) and no other slice.
-                let mut dst = unsafe { mem.staging.slice_mut(off..off + len) };
-                // The lock is held from the allocation to the end of the
-                // encoding, so this allocation is still the writer's newest
-                // and nothing was announced beyond `head_before`: rolling
-                // back to it on a panic is exact.
-                let encoding = ReturnOnUnwind {
-                    state: &mut st,
-                    slot,
-                    region_head: Some(head_before),
-                };
-                frame.encode(&mut dst);
-                encoding.encoded();
-                st.queue.push_back(Out::Region {
-                    slot,
-                    pos,
-                    len: len as u32,
-                });
+                Some(unsafe { mem.staging.slice_mut(offset..offset + len) })
             }
-            Route::Chunked => {
-                if st.heap_queued {
-                    st.wait_send(cx);
-                    return Poll::Pending;
-                }
-                // Reserve the one heap frame's place, then encode (up to
-                // the frame limit, 64 MiB) without the connection's lock:
-                // completions, receivers and other senders go on meanwhile.
-                st.heap_queued = true;
-                drop(st);
-                let encoding = ReleaseHeapOnUnwind(shared);
-                let mut data = Vec::with_capacity(len);
-                frame.encode(&mut data);
-                std::mem::forget(encoding);
-                let mut st = shared.lock();
-                let gone = if let Some(e) = st.error() {
-                    Some(e)
-                } else if st.closing || st.peer_gone {
-                    Some(TransportError::Closed)
-                } else {
-                    None
-                };
-                if let Some(e) = gone {
-                    st.heap_queued = false;
-                    st.wake_senders();
-                    return Poll::Ready(Err(e));
-                }
-                st.queue.push_back(Out::Heap { data, done: 0 });
-                st.pump(mem);
-                return Poll::Ready(Ok(()));
+            EncodeInto::Heap => None,
+        };
+        if let Some(mut dst) = in_place {
+            let encoding = CancelOnUnwind {
+                state: &mut st,
+                reservation,
+            };
+            frame.encode(&mut dst);
+            encoding.encoded();
+            st.proto
+                .queue_frame(reservation, None)
+                .expect("a frame encoded in place under the lock is always queued");
+        } else {
+            // A chunked frame (up to the frame limit, 64 MiB) is encoded
+            // without the connection's lock: completions, receivers and
+            // other senders go on meanwhile; its place is reserved.
+            drop(st);
+            let encoding = CancelHeapOnUnwind {
+                shared,
+                reservation,
+            };
+            let mut data = Vec::with_capacity(len);
+            frame.encode(&mut data);
+            std::mem::forget(encoding);
+            st = shared.lock();
+            if let Err(refusal) = st.proto.queue_frame(reservation, Some(Bytes::from(data))) {
+                st.wake();
+                return Poll::Ready(Err(refusal_error(refusal)));
             }
         }
-        st.pump(mem);
+        st.flush(mem);
         Poll::Ready(Ok(()))
     }
 
     fn close(&self) {
         let mut st = self.shared.lock();
-        if !st.closing {
-            st.closing = true;
-            // Senders waiting for credits or room fail now, as later ones do.
-            st.wake_senders();
-            st.pump(&self.shared.mem);
-        }
+        st.proto.close();
+        st.flush(&self.shared.mem);
     }
 }
 
@@ -901,12 +642,7 @@ impl FrameSource for RdmaSource {
         let mem = &shared.mem;
         let mut st = shared.lock();
         let result = loop {
-            // Frames that arrived before a failure are still delivered (a
-            // protocol violation drops them); then the error.
-            let Some(arrived) = st.arrived.pop_front() else {
-                if let Some(e) = st.error() {
-                    break Err(e);
-                }
+            let Some(delivered) = st.proto.poll_delivery(mem) else {
                 // Look in the CQ before waiting for the driver: a frame
                 // that is already there is not delayed by a wake-up (and
                 // this task does not wake itself for it).
@@ -914,96 +650,52 @@ impl FrameSource for RdmaSource {
                 if st.drain_cq(&shared.cq, mem) > 0 {
                     continue;
                 }
-                st.recv_waker = Some(cx.waker().clone());
                 // Return what the chunks handled above freed.
-                st.pump(mem);
+                st.flush(mem);
+                st.recv_waker = Some(cx.waker().clone());
                 drop(st);
                 if self.spin.keep_polling() {
                     cx.waker().wake_by_ref();
                 }
                 return Poll::Pending;
             };
-            match arrived {
-                Arrived::Eof => {
-                    st.arrived.push_front(Arrived::Eof);
-                    break Ok(None);
-                }
-                Arrived::Inline { slot, len } => {
-                    if st.reassembly.in_frame() {
-                        st.fail_protocol("inline frame inside a chunked one".into());
-                        continue;
-                    }
+            match delivered {
+                Delivered::Eof => break Ok(None),
+                Delivered::Failed(reason) => break Err(connection_error(&reason)),
+                Delivered::InSlot { slot, len } => {
                     let start = mem.recv_slot(slot).start + HEADER_LEN;
-                    let range = start..start + len as usize;
+                    break Ok(Some(Bytes::from_owner(SlotGuard {
+                        shared: Arc::clone(shared),
+                        slot,
+                        range: start..start + len,
+                    })));
+                }
+                Delivered::CopyOut { slot, len } => {
+                    let start = mem.recv_slot(slot).start + HEADER_LEN;
                     // SAFETY: the slot's receive completed; it is reposted
-                    // only below, after this slice's last use, or when its
-                    // guard drops.
-                    let data = unsafe { mem.recv.slice(range.clone()) };
-                    if let Some(verdict) = st.reassembly.check_len(len as usize, data) {
-                        let error = oversized(verdict, st.max_frame_len);
-                        if let TransportError::FrameTooLarge { .. } = error {
-                            st.fail(error.to_string());
-                        }
-                        if let Err(e) = st.repost(mem, slot) {
-                            st.fail(format!("reposting a receive: {e}"));
-                        }
-                        st.ring.on_reposted();
-                        break Err(error);
-                    }
-                    let bytes = match st.ring.deliver() {
-                        Delivery::ZeroCopy => Bytes::from_owner(SlotGuard {
-                            shared: Arc::clone(shared),
-                            slot,
-                            range,
-                        }),
-                        Delivery::Copy => {
-                            let bytes = Bytes::copy_from_slice(data);
-                            if let Err(e) = st.repost(mem, slot) {
-                                st.fail(format!("reposting a receive: {e}"));
-                            }
-                            st.ring.on_reposted();
-                            bytes
-                        }
-                    };
+                    // only below, after this slice's last use.
+                    let data = unsafe { mem.recv.slice(start..start + len) };
+                    let bytes = Bytes::copy_from_slice(data);
+                    st.proto.handle_copied(slot);
                     break Ok(Some(bytes));
                 }
-                Arrived::Chunk {
-                    slot,
-                    header,
-                    offset,
-                } => {
-                    // The region is remotely writable: its bytes are read
-                    // by raw copies, never borrowed as a slice. The peer's
-                    // WRITE landed before its SEND, and it writes there
-                    // again only after we report the space freed (below,
-                    // after the copy).
-                    let region = &mem.region;
-                    let out = st.reassembly.chunk_from(
-                        header.flags,
-                        header.total,
-                        header.len as usize,
-                        |from, dst| region.read_into(offset + from, dst),
-                    );
-                    st.reader.free_through(header.pos + u64::from(header.len));
-                    if let Err(e) = st.repost(mem, slot) {
-                        st.fail(format!("reposting a receive: {e}"));
-                    }
-                    st.ring.on_reposted();
-                    match out {
-                        Err(e) => st.fail_protocol(e.to_string()),
-                        Ok(None) => {}
-                        Ok(Some(Assembled::Frame(v))) => break Ok(Some(Bytes::from(v))),
-                        Ok(Some(verdict @ Assembled::TooLarge { .. })) => {
-                            let error = oversized(verdict, st.max_frame_len);
-                            st.fail(error.to_string());
-                            break Err(error);
-                        }
-                        Ok(Some(verdict)) => break Err(oversized(verdict, st.max_frame_len)),
-                    }
+                Delivered::Frame(frame) => break Ok(Some(Bytes::from(frame))),
+                Delivered::Oversized { len, prefix } => {
+                    break Err(TransportError::Oversized {
+                        len,
+                        max: st.max_frame_len,
+                        prefix: Bytes::from(prefix),
+                    })
+                }
+                Delivered::TooLarge { len } => {
+                    break Err(TransportError::FrameTooLarge {
+                        len,
+                        max: st.max_frame_len,
+                    })
                 }
             }
         };
-        st.pump(mem);
+        st.flush(mem);
         drop(st);
         self.spin.reset();
         Poll::Ready(result)
@@ -1047,18 +739,6 @@ impl BusyPoll {
     }
 }
 
-fn oversized(verdict: Assembled, max: usize) -> TransportError {
-    match verdict {
-        Assembled::Oversized { len, prefix } => TransportError::Oversized {
-            len,
-            max,
-            prefix: Bytes::from(prefix),
-        },
-        Assembled::TooLarge { len } => TransportError::FrameTooLarge { len, max },
-        Assembled::Frame(_) => unreachable!("not a verdict"),
-    }
-}
-
 impl Drop for RdmaSource {
     fn drop(&mut self) {
         self.shared.lock().handles -= 1;
@@ -1084,7 +764,7 @@ pub(crate) fn fail_on_device(device: DeviceId, target: Target, reason: &str) -> 
     let mut failed = 0;
     for shared in &hit {
         let mut st = shared.lock();
-        if st.failed.is_none() {
+        if st.proto.failure().is_none() {
             failed += 1;
             st.fail(reason.to_string());
         }
@@ -1102,33 +782,9 @@ pub(crate) fn debug_dump() -> String {
     for shared in live.iter().filter_map(|(shared, _)| shared.upgrade()) {
         let st = shared.lock();
         out += &format!(
-            "{}: credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
-             in_flight {} writer_in_use {} | ring held {} outstanding {} pending {} arrived {} \
-             reader_wants_report {} | failed {:?} closing {} close_sent {} peer_gone {} handles {} released {}\n",
+            "{}: {} | handles {} released {}\n",
             shared.peer,
-            st.credits.available(),
-            st.queue.len(),
-            match st.queue.front() {
-                None => "-",
-                Some(Out::Inline { .. }) => "inline",
-                Some(Out::Region { .. }) => "region",
-                Some(Out::Heap { .. }) => "heap",
-            },
-            st.free_send.len(),
-            st.free_ctrl.len(),
-            st.free_heap.len(),
-            st.heap_queued,
-            st.in_flight,
-            st.writer.in_use(),
-            st.ring.held(),
-            st.ring.outstanding(),
-            st.ring.pending(),
-            st.arrived.len(),
-            st.reader.wants_report(),
-            st.failed,
-            st.closing,
-            st.close_sent,
-            st.peer_gone,
+            st.proto.summary(),
             st.handles,
             shared.released.lock().map(|r| r.len()).unwrap_or(0),
         );
@@ -1160,35 +816,22 @@ impl Established {
         let inline_max = cfg
             .inline_threshold
             .min(peer.slot_size as usize - HEADER_LEN);
-        let reassembly = Reassembly::new(
-            limits.max_frame_len,
-            limits.max_skip_len(),
-            OVERSIZED_PREFIX_LEN,
-        );
         let state = State {
             qp,
-            credits: CreditWindow::new(peer.ring_slots),
-            writer: RegionWriter::new(peer.region_len.into()),
-            queue: VecDeque::new(),
-            free_send: (0..peer.ring_slots).rev().collect(),
-            free_ctrl: (peer.ring_slots..peer.ring_slots + CTRL_SLOTS).collect(),
-            free_heap: (peer.ring_slots + CTRL_SLOTS..peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS)
-                .collect(),
-            heap_queued: false,
+            proto: proto::Connection::new(proto::Config {
+                ring_slots: own.ring_slots,
+                slot_size: own.slot_size as usize,
+                region_len: own.region_len.into(),
+                peer_ring_slots: peer.ring_slots,
+                peer_region_len: peer.region_len.into(),
+                inline_max,
+                max_frame_len: limits.max_frame_len,
+                max_skip_len: limits.max_skip_len(),
+                prefix_len: OVERSIZED_PREFIX_LEN,
+            }),
             send_waiters: Vec::new(),
-            inline_max,
-            in_flight: 0,
-            ring: RecvRing::new(own.ring_slots),
-            reader: RegionReader::new(own.region_len.into()),
-            reassembly,
-            arrived: VecDeque::new(),
             recv_waker: None,
             max_frame_len: limits.max_frame_len,
-            failed: None,
-            disconnected: false,
-            closing: false,
-            close_sent: false,
-            peer_gone: false,
             handles: 2,
         };
         let shared = Arc::new(Shared {
@@ -1199,6 +842,7 @@ impl Established {
                 send,
                 staging,
                 slot_size: own.slot_size as usize,
+                ring_slots: own.ring_slots,
                 peer_slot_size: peer.slot_size as usize,
                 peer_region: RemoteRegion {
                     addr: peer.region_addr,
@@ -1281,16 +925,9 @@ fn repost_released(shared: &Shared) {
     }
     let mut st = shared.lock();
     for slot in released {
-        if st.failed.is_some() {
-            break;
-        }
-        if let Err(e) = st.repost(&shared.mem, slot) {
-            st.fail(format!("reposting a receive: {e}"));
-            break;
-        }
-        st.ring.on_released();
+        st.proto.handle_released(slot);
     }
-    st.pump(&shared.mem);
+    st.flush(&shared.mem);
 }
 
 /// The connection's driver: completions, connection-manager events,
@@ -1303,12 +940,11 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         repost_released(&shared);
         {
             let st = shared.lock();
-            if st.failed.is_some() || (st.disconnected && st.handles == 0) {
+            if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
             }
             if st.handles == 0 {
-                let done =
-                    (st.close_sent || st.peer_gone) && st.queue.is_empty() && st.in_flight == 0;
+                let done = st.proto.is_drained();
                 let since = *linger_since.get_or_insert_with(Instant::now);
                 if done || since.elapsed() > Duration::from_secs(5) {
                     break;
@@ -1350,15 +986,12 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                             // What the peer sent before it went is in the CQ:
                             // take it first (its `Close`, its last frames).
                             drain_cq(&shared);
+                            // Orderly if the peer said Close first (what
+                            // arrived before it is still delivered); else a
+                            // failure.
                             let mut st = shared.lock();
-                            if st.peer_gone {
-                                // Orderly: the peer said Close first; what
-                                // arrived before it is still delivered.
-                                st.disconnected = true;
-                                st.wake_all();
-                            } else {
-                                st.fail(format!("{}: {}", shared.peer, event.name()));
-                            }
+                            st.proto.handle_disconnected(&format!("{}: {}", shared.peer, event.name()));
+                            st.wake();
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => break,
@@ -1372,5 +1005,11 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     }
     let _ = d.cm_fd.get_mut().0.disconnect();
     // Wake whoever waits: they see the failure (or the end).
-    shared.lock().wake_all();
+    let mut st = shared.lock();
+    for w in st.send_waiters.drain(..) {
+        w.wake();
+    }
+    if let Some(w) = st.recv_waker.take() {
+        w.wake();
+    }
 }

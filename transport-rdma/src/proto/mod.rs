@@ -16,7 +16,11 @@
 //!   receiving side, which checks every offset and length;
 //! - [`Reassembly`]: frames larger than one region chunk, put back together
 //!   (or skipped when over the frame limit);
-//! - [`route`]: the small / large / chunked decision for one frame.
+//! - [`route`]: the small / large / chunked decision for one frame;
+//! - [`Connection`]: one connection's protocol built from the above, as a
+//!   state machine (completions, sends, releases, close and disconnect in;
+//!   work requests to post and frames to deliver out), which the verbs
+//!   layer drives and the simulation tests.
 //!
 //! # Wire protocol (version 1)
 //! Every message is one SEND into a receive slot, starting with a 32-byte
@@ -28,6 +32,7 @@
 //! `credits` receive slots and the sender's region `freed_to` position.
 //! `Credit` messages carry only those; `Close` ends the stream.
 
+mod connection;
 mod credit;
 mod header;
 mod hello;
@@ -36,6 +41,10 @@ mod region;
 #[cfg(test)]
 mod sim;
 
+pub use connection::{
+    Completion, Config, Connection, Delivered, EncodeInto, Lifecycle, OwnClose, ReadReceived,
+    Refusal, Reservation, SendDecision, Transmit, Wakeups, WorkKind, CTRL_SLOTS, HEAP_SLOTS,
+};
 pub use credit::{CreditWindow, Delivery, RecvRing};
 pub use header::{Header, Kind, FIRST, HEADER_LEN, LAST};
 pub use hello::{Hello, HelloLimits, HELLO_LEN, MAGIC, VERSION};

@@ -66,6 +66,11 @@ impl Reassembly {
         }
     }
 
+    /// The largest frame delivered.
+    pub fn max_frame_len(&self) -> usize {
+        self.max_frame_len
+    }
+
     /// True between the first and the last chunk of a frame.
     pub fn in_frame(&self) -> bool {
         !matches!(self.state, State::Idle)

@@ -1,0 +1,965 @@
+//! One RDMA connection's protocol as a state machine with no I/O: what to
+//! post, what to hand up, and when the connection is over.
+//!
+//! The verbs layer (the crate's `conn` module) owns the queue pair and the
+//! registered memory. It feeds this type what happened — work completions
+//! ([`handle_completion`](Connection::handle_completion)), the application's
+//! sends ([`handle_send`](Connection::handle_send) /
+//! [`queue_frame`](Connection::queue_frame)) and released frames
+//! ([`handle_released`](Connection::handle_released)), [`close`](Connection::close),
+//! the connection manager's disconnect
+//! ([`handle_disconnected`](Connection::handle_disconnected)) — and carries
+//! out what it decides: the work requests of
+//! [`poll_transmit`](Connection::poll_transmit) and the frames of
+//! [`poll_delivery`](Connection::poll_delivery). It never reads registered
+//! memory: the verbs layer copies a received message's header out of its
+//! slot and passes it in, and reads received bytes for it through
+//! [`ReadReceived`].
+//!
+//! Send slots are numbered `0..peer_ring_slots` for data messages (one per
+//! slot of the peer's ring), then [`CTRL_SLOTS`] for control messages, then
+//! [`HEAP_SLOTS`] for the chunks of heap-encoded frames.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use super::{
+    route, Assembled, CreditWindow, Delivery, Header, Kind, ProtocolError, Reassembly, RecvRing,
+    RegionReader, RegionWriter, Route, FIRST, HEADER_LEN, LAST,
+};
+
+/// Send slots reserved for control messages (credits, close).
+pub const CTRL_SLOTS: u32 = 4;
+/// Send slots reserved for the chunks of a heap-encoded frame (frames queued
+/// behind it may hold every data slot).
+pub const HEAP_SLOTS: u32 = 4;
+
+/// What a work request was for (its kind is encoded in its `wr_id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkKind {
+    /// A receive into ring slot `index`.
+    Recv,
+    /// A data message's SEND from send slot `index`.
+    Send,
+    /// A control message's SEND from send slot `index`.
+    Control,
+    /// An RDMA WRITE into the peer's region.
+    Write,
+    /// A heap frame chunk's SEND from send slot `index`.
+    Heap,
+}
+
+impl WorkKind {
+    /// The `wr_id` of a request of this kind on slot `index`.
+    pub fn wr_id(self, index: u32) -> u64 {
+        let tag: u64 = match self {
+            WorkKind::Recv => 1,
+            WorkKind::Send => 2,
+            WorkKind::Control => 3,
+            WorkKind::Write => 4,
+            WorkKind::Heap => 5,
+        };
+        (tag << 32) | u64::from(index)
+    }
+
+    /// The kind and index a `wr_id` of [`wr_id`](Self::wr_id) encodes.
+    pub fn from_wr_id(wr_id: u64) -> Option<(WorkKind, u32)> {
+        let kind = match wr_id >> 32 {
+            1 => WorkKind::Recv,
+            2 => WorkKind::Send,
+            3 => WorkKind::Control,
+            4 => WorkKind::Write,
+            5 => WorkKind::Heap,
+            _ => return None,
+        };
+        Some((kind, wr_id as u32))
+    }
+}
+
+/// A work completion, as the verbs layer reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    /// The request's `wr_id`.
+    pub wr_id: u64,
+    /// `None` for success, else the failure (status name and number).
+    pub failure: Option<&'a str>,
+    /// Bytes received (receives only).
+    pub byte_len: usize,
+    /// For a receive: the message's first bytes (up to [`HEADER_LEN`]),
+    /// copied out of the slot by the verbs layer.
+    pub header: &'a [u8],
+}
+
+/// A work request to post, in order.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transmit {
+    /// Post a receive into ring slot `slot` (`WorkKind::Recv`).
+    Recv {
+        /// The ring slot.
+        slot: u32,
+    },
+    /// Copy `data` (if any) into the staging region at `offset`, then RDMA
+    /// WRITE `staging[offset..offset + len]` to the peer's region at the same
+    /// offset (`WorkKind::Write`, index 0).
+    Write {
+        /// Offset in staging and in the peer's region.
+        offset: usize,
+        /// Bytes to write.
+        len: usize,
+        /// The region stream position (`offset` is `pos % region_len`).
+        pos: u64,
+        /// A heap frame's chunk to copy in first; `None` when the frame was
+        /// encoded in place.
+        data: Option<Bytes>,
+    },
+    /// Write `header` at the start of send slot `slot`, then SEND the
+    /// header and the `body_len` bytes after it.
+    Send {
+        /// `Send`, `Control` or `Heap`.
+        kind: WorkKind,
+        /// The send slot.
+        slot: u32,
+        /// The header, credits and region report stamped.
+        header: Header,
+        /// Bytes of frame after the header in the slot.
+        body_len: usize,
+    },
+}
+
+/// Where [`handle_send`](Connection::handle_send) lets a frame be encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EncodeInto {
+    /// Send slot `slot`, after the header.
+    SendSlot {
+        /// The send slot.
+        slot: u32,
+    },
+    /// The staging region at `offset` (the frame's region allocation).
+    Staging {
+        /// Offset in staging.
+        offset: usize,
+    },
+    /// A buffer of the caller's own (the frame is chunked); encode it
+    /// without holding what guards this connection, then
+    /// [`queue_frame`](Connection::queue_frame) it with the bytes.
+    Heap,
+}
+
+/// A frame's place, reserved by [`handle_send`](Connection::handle_send):
+/// either [`queue_frame`](Connection::queue_frame)d once encoded, or given
+/// back with [`cancel_send`](Connection::cancel_send).
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    len: u32,
+    place: Place,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Inline {
+        slot: u32,
+    },
+    Region {
+        slot: u32,
+        pos: u64,
+        head_before: u64,
+    },
+    Heap,
+}
+
+impl Reservation {
+    fn encode_into(&self, writer_offset: impl Fn(u64) -> usize) -> EncodeInto {
+        match self.place {
+            Place::Inline { slot } => EncodeInto::SendSlot { slot },
+            Place::Region { pos, .. } => EncodeInto::Staging {
+                offset: writer_offset(pos),
+            },
+            Place::Heap => EncodeInto::Heap,
+        }
+    }
+
+    /// The frame's length.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// True for an empty frame (never: every frame has a head).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Why a frame cannot be sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The connection failed.
+    Failed(String),
+    /// It was closed (by us or by the peer).
+    Closed,
+    /// Longer than the wire format's 32-bit lengths.
+    TooLong(usize),
+}
+
+/// What [`handle_send`](Connection::handle_send) decided.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendDecision {
+    /// Encode the frame there, then queue or cancel the reservation.
+    Encode(Reservation),
+    /// No room now: wait until a wake-up for senders, then try again.
+    Wait,
+    /// It will never go.
+    Refused(Refusal),
+}
+
+/// The next thing for the receiving application.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivered {
+    /// A frame of `len` bytes after the header in ring slot `slot`, to hand
+    /// up in place; [`handle_released`](Connection::handle_released) once
+    /// the application dropped it.
+    InSlot {
+        /// The ring slot.
+        slot: u32,
+        /// Frame length.
+        len: usize,
+    },
+    /// A frame of `len` bytes after the header in ring slot `slot`, to copy
+    /// out now; then [`handle_copied`](Connection::handle_copied).
+    CopyOut {
+        /// The ring slot.
+        slot: u32,
+        /// Frame length.
+        len: usize,
+    },
+    /// A frame put back together from region chunks.
+    Frame(Vec<u8>),
+    /// A frame over the frame limit, skipped; the connection goes on.
+    Oversized {
+        /// Its length.
+        len: usize,
+        /// Its first bytes.
+        prefix: Vec<u8>,
+    },
+    /// A frame too long even to skip; the connection failed.
+    TooLarge {
+        /// Its length.
+        len: usize,
+    },
+    /// The peer closed its side in order: no more frames.
+    Eof,
+    /// The connection failed; every later call says so too.
+    Failed(String),
+}
+
+/// Reads received bytes for [`poll_delivery`](Connection::poll_delivery):
+/// the verbs layer's raw copies out of its registered memory.
+pub trait ReadReceived {
+    /// Copies `dst.len()` bytes of ring slot `slot` from byte `offset` (of
+    /// the message, header included) into `dst`.
+    fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]);
+    /// Copies `dst.len()` bytes of the region at `offset` into `dst`.
+    fn read_region(&self, offset: usize, dst: &mut [u8]);
+}
+
+/// Whom to wake after a call (see [`take_wakeups`](Connection::take_wakeups)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Wakeups {
+    /// Senders waiting for room (or to see a failure or a close).
+    pub senders: bool,
+    /// The receiver (a frame, the end, or a failure to see).
+    pub receiver: bool,
+}
+
+/// How far our own close went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnClose {
+    /// Not asked for.
+    No,
+    /// Asked for: `Close` goes once everything queued before it went.
+    Requested,
+    /// Our `Close` was posted.
+    Sent,
+}
+
+/// A connection's lifecycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// Both sides open.
+    Open,
+    /// The peer is open; our side is closing or closed.
+    Closing(OwnClose),
+    /// The peer sent `Close` (what came before it is still delivered);
+    /// `OwnClose` is our side.
+    PeerClosed(OwnClose),
+    /// The peer closed in order, then the connection went down: what
+    /// arrived is still delivered, nothing more is sent.
+    Disconnected,
+    /// Failed (a protocol violation, a failed work request, a device event,
+    /// an unexpected disconnect): the reason.
+    Failed(String),
+}
+
+/// The geometry and limits of one connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    /// Our receive ring's slots.
+    pub ring_slots: u32,
+    /// Our receive slots' size.
+    pub slot_size: usize,
+    /// Our region's length.
+    pub region_len: u64,
+    /// The peer's ring slots.
+    pub peer_ring_slots: u32,
+    /// The peer's region's length.
+    pub peer_region_len: u64,
+    /// Largest frame sent inline (at most the peer's slot minus the header).
+    pub inline_max: usize,
+    /// Largest frame delivered.
+    pub max_frame_len: usize,
+    /// Largest frame skipped (longer ones fail the connection).
+    pub max_skip_len: usize,
+    /// Bytes of an oversized frame reported with it.
+    pub prefix_len: usize,
+}
+
+/// One queued outgoing message.
+#[derive(Debug)]
+enum Out {
+    /// Frame encoded in a send slot after the header space.
+    Inline { slot: u32, len: u32 },
+    /// Frame encoded in the staging region at `pos`; `slot` carries the header.
+    Region { slot: u32, pos: u64, len: u32 },
+    /// Frame larger than a chunk, encoded on the heap; sent chunk by chunk.
+    Heap { data: Bytes, done: usize },
+}
+
+/// A received message not yet handed to the application.
+#[derive(Debug)]
+enum Arrived {
+    Inline {
+        slot: u32,
+        len: u32,
+    },
+    Chunk {
+        slot: u32,
+        header: Header,
+        offset: usize,
+    },
+    Eof,
+}
+
+/// One connection's protocol state (see the module docs).
+#[derive(Debug)]
+pub struct Connection {
+    // sending
+    credits: CreditWindow,
+    writer: RegionWriter,
+    queue: VecDeque<Out>,
+    free_send: Vec<u32>,
+    free_ctrl: Vec<u32>,
+    free_heap: Vec<u32>,
+    heap_queued: bool,
+    inline_max: usize,
+    in_flight: u32,
+    // receiving
+    slot_size: usize,
+    ring: RecvRing,
+    reader: RegionReader,
+    reassembly: Reassembly,
+    prefix_len: usize,
+    arrived: VecDeque<Arrived>,
+    // both
+    lifecycle: Lifecycle,
+    transmit: VecDeque<Transmit>,
+    wake: Wakeups,
+}
+
+impl Connection {
+    /// A connection whose ring is all posted (the verbs layer posted every
+    /// slot before connecting) and whose peer's is all free.
+    pub fn new(cfg: Config) -> Connection {
+        let peer = cfg.peer_ring_slots;
+        Connection {
+            credits: CreditWindow::new(peer),
+            writer: RegionWriter::new(cfg.peer_region_len),
+            queue: VecDeque::new(),
+            free_send: (0..peer).rev().collect(),
+            free_ctrl: (peer..peer + CTRL_SLOTS).collect(),
+            free_heap: (peer + CTRL_SLOTS..peer + CTRL_SLOTS + HEAP_SLOTS).collect(),
+            heap_queued: false,
+            inline_max: cfg.inline_max,
+            in_flight: 0,
+            slot_size: cfg.slot_size,
+            ring: RecvRing::new(cfg.ring_slots),
+            reader: RegionReader::new(cfg.region_len),
+            reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
+            prefix_len: cfg.prefix_len,
+            arrived: VecDeque::new(),
+            lifecycle: Lifecycle::Open,
+            transmit: VecDeque::new(),
+            wake: Wakeups::default(),
+        }
+    }
+
+    /// The lifecycle state.
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
+    }
+
+    /// The failure, if the connection failed.
+    pub fn failure(&self) -> Option<&str> {
+        match &self.lifecycle {
+            Lifecycle::Failed(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    fn own_close(&self) -> OwnClose {
+        match self.lifecycle {
+            Lifecycle::Open => OwnClose::No,
+            Lifecycle::Closing(own) | Lifecycle::PeerClosed(own) => own,
+            Lifecycle::Disconnected | Lifecycle::Failed(_) => OwnClose::Sent,
+        }
+    }
+
+    fn set_own_close(&mut self, own: OwnClose) {
+        match self.lifecycle {
+            Lifecycle::Open | Lifecycle::Closing(_) => self.lifecycle = Lifecycle::Closing(own),
+            Lifecycle::PeerClosed(_) => self.lifecycle = Lifecycle::PeerClosed(own),
+            Lifecycle::Disconnected | Lifecycle::Failed(_) => {}
+        }
+    }
+
+    /// Whom to wake since the last call; resets.
+    pub fn take_wakeups(&mut self) -> Wakeups {
+        std::mem::take(&mut self.wake)
+    }
+
+    /// Fails the connection (the first reason sticks); wakes everyone.
+    pub fn fail(&mut self, reason: impl Into<String>) {
+        if !matches!(self.lifecycle, Lifecycle::Failed(_)) {
+            let reason = reason.into();
+            tracing::debug!("RDMA connection failed: {reason}");
+            self.lifecycle = Lifecycle::Failed(reason);
+            self.transmit.clear();
+        }
+        self.wake = Wakeups {
+            senders: true,
+            receiver: true,
+        };
+    }
+
+    /// The peer broke the protocol: fail, and drop what it sent (the
+    /// region it may still write is not read again).
+    fn fail_protocol(&mut self, e: impl std::fmt::Display) {
+        self.arrived.clear();
+        self.fail(format!("peer broke the protocol: {e}"));
+    }
+
+    /// Asks to close our side: later sends are refused, `Close` goes after
+    /// what is queued.
+    pub fn close(&mut self) {
+        if self.own_close() == OwnClose::No {
+            self.set_own_close(OwnClose::Requested);
+            // Senders waiting for credits or room fail now, as later ones do.
+            self.wake.senders = true;
+        }
+    }
+
+    /// The connection manager reported the connection down (`event`, e.g.
+    /// `DISCONNECTED`). After the peer's `Close` that is the orderly end;
+    /// before it, a failure. Take what is in the completion queue first.
+    pub fn handle_disconnected(&mut self, event: &str) {
+        match self.lifecycle {
+            Lifecycle::PeerClosed(_) => {
+                self.lifecycle = Lifecycle::Disconnected;
+                self.transmit.clear();
+                self.wake = Wakeups {
+                    senders: true,
+                    receiver: true,
+                };
+            }
+            Lifecycle::Disconnected | Lifecycle::Failed(_) => {}
+            Lifecycle::Open | Lifecycle::Closing(_) => self.fail(event),
+        }
+    }
+
+    /// Whether the peer closed in order and the connection then went down.
+    pub fn is_disconnected(&self) -> bool {
+        self.lifecycle == Lifecycle::Disconnected
+    }
+
+    /// Whether everything is sent after a close (ours posted, or the
+    /// peer's received) and no work request is in flight: once the
+    /// application let go, the driver may stop.
+    pub fn is_drained(&self) -> bool {
+        let closed = matches!(
+            self.lifecycle,
+            Lifecycle::Closing(OwnClose::Sent) | Lifecycle::PeerClosed(_)
+        );
+        closed && self.queue.is_empty() && self.in_flight == 0
+    }
+
+    // ---- sending ----
+
+    /// The application wants to send a frame of `len` bytes.
+    pub fn handle_send(&mut self, len: usize) -> SendDecision {
+        if let Lifecycle::Failed(reason) = &self.lifecycle {
+            return SendDecision::Refused(Refusal::Failed(reason.clone()));
+        }
+        if !matches!(self.lifecycle, Lifecycle::Open) {
+            return SendDecision::Refused(Refusal::Closed);
+        }
+        let Ok(len32) = u32::try_from(len) else {
+            return SendDecision::Refused(Refusal::TooLong(len));
+        };
+        let max_chunk = self.writer.max_chunk() as usize;
+        let place = match route(len, self.inline_max, max_chunk) {
+            Route::Inline => {
+                let Some(slot) = self.free_send.pop() else {
+                    return SendDecision::Wait;
+                };
+                Place::Inline { slot }
+            }
+            Route::Region => {
+                if self.heap_queued {
+                    return SendDecision::Wait;
+                }
+                let Some(slot) = self.free_send.pop() else {
+                    return SendDecision::Wait;
+                };
+                let head_before = self.writer.head();
+                let Some(pos) = self.writer.alloc(len as u64) else {
+                    self.free_send.push(slot);
+                    return SendDecision::Wait;
+                };
+                Place::Region {
+                    slot,
+                    pos,
+                    head_before,
+                }
+            }
+            Route::Chunked => {
+                if self.heap_queued {
+                    return SendDecision::Wait;
+                }
+                self.heap_queued = true;
+                Place::Heap
+            }
+        };
+        SendDecision::Encode(Reservation { len: len32, place })
+    }
+
+    /// The offset in staging (and in the peer's region) of stream position `pos`.
+    pub fn staging_offset(&self, pos: u64) -> usize {
+        self.writer.offset(pos)
+    }
+
+    /// Where to encode the frame `r` reserved.
+    pub fn encode_into(&self, r: &Reservation) -> EncodeInto {
+        r.encode_into(|pos| self.writer.offset(pos))
+    }
+
+    /// Queues a frame encoded where its reservation said (`heap` carries a
+    /// chunked frame's bytes). A chunked frame, encoded without this
+    /// connection's guard, is refused if the connection failed or closed
+    /// meanwhile (its place is given back).
+    pub fn queue_frame(&mut self, r: Reservation, heap: Option<Bytes>) -> Result<(), Refusal> {
+        let out = match r.place {
+            Place::Inline { slot } => Out::Inline { slot, len: r.len },
+            Place::Region { slot, pos, .. } => Out::Region {
+                slot,
+                pos,
+                len: r.len,
+            },
+            Place::Heap => {
+                let refused = match &self.lifecycle {
+                    Lifecycle::Failed(reason) => Some(Refusal::Failed(reason.clone())),
+                    Lifecycle::Open => None,
+                    _ => Some(Refusal::Closed),
+                };
+                if let Some(refused) = refused {
+                    self.cancel_send(r);
+                    return Err(refused);
+                }
+                let data = heap.expect("a chunked frame is queued with its bytes");
+                assert_eq!(data.len(), r.len as usize, "heap frame length");
+                Out::Heap { data, done: 0 }
+            }
+        };
+        self.queue.push_back(out);
+        Ok(())
+    }
+
+    /// Gives back what `r` reserved (the frame's encoding panicked). For
+    /// a region frame this must be the region's newest allocation: no
+    /// other frame was reserved since (the caller held its guard).
+    pub fn cancel_send(&mut self, r: Reservation) {
+        match r.place {
+            Place::Inline { slot } => self.free_send.push(slot),
+            Place::Region {
+                slot, head_before, ..
+            } => {
+                self.free_send.push(slot);
+                self.writer.roll_back_to(head_before);
+            }
+            Place::Heap => self.heap_queued = false,
+        }
+        self.wake.senders = true;
+    }
+
+    /// The next work request to post, if any (everything the credits and
+    /// the peer's free space allow, in order). `None` once failed.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        if self.transmit.is_empty() {
+            self.pump();
+        }
+        self.transmit.pop_front()
+    }
+
+    fn stamp(&mut self, header: &mut Header) {
+        header.credits = self.ring.take_credits();
+        header.freed_to = self.reader.report();
+    }
+
+    fn push_send(&mut self, kind: WorkKind, slot: u32, mut header: Header, body_len: usize) {
+        self.stamp(&mut header);
+        self.transmit.push_back(Transmit::Send {
+            kind,
+            slot,
+            header,
+            body_len,
+        });
+        self.in_flight += 1;
+    }
+
+    fn push_write(&mut self, pos: u64, len: usize, data: Option<Bytes>) {
+        self.transmit.push_back(Transmit::Write {
+            offset: self.writer.offset(pos),
+            len,
+            pos,
+            data,
+        });
+        self.in_flight += 1;
+    }
+
+    /// Decides whatever the credits and the peer's free space allow.
+    fn pump(&mut self) {
+        if matches!(
+            self.lifecycle,
+            Lifecycle::Failed(_) | Lifecycle::Disconnected
+        ) {
+            return;
+        }
+        while let Some(front) = self.queue.front_mut() {
+            match front {
+                Out::Inline { slot, len } => {
+                    let (slot, len) = (*slot, *len);
+                    if !self.credits.take_data() {
+                        break;
+                    }
+                    self.queue.pop_front();
+                    let mut h = Header::new(Kind::Inline);
+                    h.len = len;
+                    self.push_send(WorkKind::Send, slot, h, len as usize);
+                }
+                Out::Region { slot, pos, len } => {
+                    let (slot, pos, len) = (*slot, *pos, *len);
+                    if !self.credits.take_data() {
+                        break;
+                    }
+                    self.queue.pop_front();
+                    self.push_write(pos, len as usize, None);
+                    let mut h = Header::new(Kind::Chunk);
+                    h.flags = FIRST | LAST;
+                    h.len = len;
+                    h.total = len;
+                    h.pos = pos;
+                    self.push_send(WorkKind::Send, slot, h, 0);
+                }
+                Out::Heap { data, done } => {
+                    if self.credits.available() < 2 || self.free_heap.is_empty() {
+                        break;
+                    }
+                    let n = (data.len() - *done).min(self.writer.max_chunk() as usize);
+                    let Some(pos) = self.writer.alloc(n as u64) else {
+                        break;
+                    };
+                    let slot = self.free_heap.pop().expect("checked above");
+                    let took = self.credits.take_data();
+                    debug_assert!(took, "checked above");
+                    let chunk = data.slice(*done..*done + n);
+                    let mut h = Header::new(Kind::Chunk);
+                    h.len = n as u32;
+                    h.pos = pos;
+                    if *done == 0 {
+                        h.flags |= FIRST;
+                        h.total = data.len() as u32;
+                    }
+                    *done += n;
+                    if *done == data.len() {
+                        h.flags |= LAST;
+                        self.queue.pop_front();
+                        self.heap_queued = false;
+                        self.wake.senders = true;
+                    }
+                    self.push_write(pos, n, Some(chunk));
+                    self.push_send(WorkKind::Heap, slot, h, 0);
+                }
+            }
+        }
+        if let Some(&slot) = self.free_ctrl.last() {
+            let kind = if self.own_close() == OwnClose::Requested && self.queue.is_empty() {
+                Some(Kind::Close)
+            } else if self.ring.wants_credit_message() || self.reader.wants_report() {
+                Some(Kind::Credit)
+            } else {
+                None
+            };
+            if let Some(kind) = kind {
+                if self.credits.take_control() {
+                    self.free_ctrl.pop();
+                    if kind == Kind::Close {
+                        self.set_own_close(OwnClose::Sent);
+                    }
+                    self.push_send(WorkKind::Control, slot, Header::new(kind), 0);
+                }
+            }
+        }
+    }
+
+    // ---- completions ----
+
+    /// One work completion.
+    pub fn handle_completion(&mut self, wc: Completion<'_>) {
+        let Some((kind, index)) = WorkKind::from_wr_id(wc.wr_id) else {
+            self.fail(format!(
+                "completion of an unknown work request {:#x}",
+                wc.wr_id
+            ));
+            return;
+        };
+        if kind != WorkKind::Recv {
+            self.in_flight = self.in_flight.saturating_sub(1);
+        }
+        if matches!(self.lifecycle, Lifecycle::Failed(_)) {
+            return;
+        }
+        if let Some(failure) = wc.failure {
+            self.fail(format!("work request failed: {failure}"));
+            return;
+        }
+        match kind {
+            WorkKind::Recv => {
+                if let Err(e) = self.on_receive(index, wc.byte_len, wc.header) {
+                    self.fail_protocol(e);
+                }
+            }
+            WorkKind::Send => {
+                self.free_send.push(index);
+                self.wake.senders = true;
+            }
+            WorkKind::Control => self.free_ctrl.push(index),
+            WorkKind::Heap => self.free_heap.push(index),
+            WorkKind::Write => {}
+        }
+    }
+
+    fn repost(&mut self, slot: u32) {
+        self.transmit.push_back(Transmit::Recv { slot });
+        self.ring.on_reposted();
+    }
+
+    /// A receive completed in `slot` with `byte_len` bytes.
+    fn on_receive(
+        &mut self,
+        slot: u32,
+        byte_len: usize,
+        header: &[u8],
+    ) -> Result<(), ProtocolError> {
+        if byte_len > self.slot_size {
+            return Err(ProtocolError::new(format!(
+                "receive of {byte_len} bytes in a smaller slot"
+            )));
+        }
+        let header = Header::decode(header, byte_len)?;
+        self.ring.on_arrival()?;
+        self.credits.grant(header.credits)?;
+        self.writer.on_freed(header.freed_to)?;
+        self.wake.senders = true;
+        match header.kind {
+            Kind::Inline => self.arrived.push_back(Arrived::Inline {
+                slot,
+                len: header.len,
+            }),
+            Kind::Chunk => {
+                let offset = self.reader.accept(header.pos, header.len.into())?;
+                self.arrived.push_back(Arrived::Chunk {
+                    slot,
+                    header,
+                    offset,
+                });
+            }
+            Kind::Credit => self.repost(slot),
+            Kind::Close => {
+                self.repost(slot);
+                self.arrived.push_back(Arrived::Eof);
+                match self.lifecycle {
+                    Lifecycle::Open => self.lifecycle = Lifecycle::PeerClosed(OwnClose::No),
+                    Lifecycle::Closing(own) => self.lifecycle = Lifecycle::PeerClosed(own),
+                    _ => {}
+                }
+            }
+        }
+        self.wake.receiver = true;
+        Ok(())
+    }
+
+    // ---- delivering ----
+
+    /// What the application gets next, if anything is there; `mem` reads
+    /// the received bytes. Frames that arrived before a failure are still
+    /// delivered (a protocol violation drops them), then the failure.
+    pub fn poll_delivery(&mut self, mem: &impl ReadReceived) -> Option<Delivered> {
+        loop {
+            let Some(arrived) = self.arrived.pop_front() else {
+                return self.failure().map(|r| Delivered::Failed(r.to_string()));
+            };
+            match arrived {
+                Arrived::Eof => {
+                    self.arrived.push_front(Arrived::Eof);
+                    return Some(Delivered::Eof);
+                }
+                Arrived::Inline { slot, len } => {
+                    if self.reassembly.in_frame() {
+                        self.fail_protocol("inline frame inside a chunked one");
+                        continue;
+                    }
+                    let len = len as usize;
+                    if len > self.reassembly.max_frame_len() {
+                        // Over the limit: only its first bytes are read.
+                        let mut prefix = vec![0; len.min(self.prefix_len)];
+                        mem.read_slot(slot, HEADER_LEN, &mut prefix);
+                        if let Some(verdict) = self.reassembly.check_len(len, &prefix) {
+                            self.repost(slot);
+                            return Some(self.verdict(verdict));
+                        }
+                    }
+                    return Some(match self.ring.deliver() {
+                        Delivery::ZeroCopy => Delivered::InSlot { slot, len },
+                        Delivery::Copy => Delivered::CopyOut { slot, len },
+                    });
+                }
+                Arrived::Chunk {
+                    slot,
+                    header,
+                    offset,
+                } => {
+                    let out = self.reassembly.chunk_from(
+                        header.flags,
+                        header.total,
+                        header.len as usize,
+                        |from, dst| mem.read_region(offset + from, dst),
+                    );
+                    self.reader.free_through(header.pos + u64::from(header.len));
+                    self.repost(slot);
+                    match out {
+                        Err(e) => self.fail_protocol(e),
+                        Ok(None) => {}
+                        Ok(Some(Assembled::Frame(v))) => return Some(Delivered::Frame(v)),
+                        Ok(Some(verdict)) => return Some(self.verdict(verdict)),
+                    }
+                }
+            }
+        }
+    }
+
+    fn verdict(&mut self, verdict: Assembled) -> Delivered {
+        match verdict {
+            Assembled::Oversized { len, prefix } => Delivered::Oversized { len, prefix },
+            Assembled::TooLarge { len } => {
+                let max = self.reassembly.max_frame_len();
+                self.fail(format!("frame of {len} bytes is over the limit of {max}"));
+                Delivered::TooLarge { len }
+            }
+            Assembled::Frame(_) => unreachable!("not a verdict"),
+        }
+    }
+
+    /// The application dropped the frame it was handed in `slot`
+    /// ([`Delivered::InSlot`]): the slot is reposted.
+    pub fn handle_released(&mut self, slot: u32) {
+        if matches!(self.lifecycle, Lifecycle::Failed(_)) {
+            return;
+        }
+        self.transmit.push_back(Transmit::Recv { slot });
+        self.ring.on_released();
+    }
+
+    /// The frame of [`Delivered::CopyOut`] was copied out of `slot`: the
+    /// slot is reposted.
+    pub fn handle_copied(&mut self, slot: u32) {
+        self.repost(slot);
+    }
+
+    // ---- accounting, for checks and debugging ----
+
+    /// Credits for the peer's ring held now.
+    pub fn credits_available(&self) -> u32 {
+        self.credits.available()
+    }
+
+    /// Our ring's slots consumed and not yet returned to the peer.
+    pub fn ring_outstanding(&self) -> u32 {
+        self.ring.outstanding()
+    }
+
+    /// Bytes of the peer's region allocated and not yet freed.
+    pub fn region_in_use(&self) -> u64 {
+        self.writer.in_use()
+    }
+
+    /// Frames queued and not yet fully posted.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Work requests posted and not yet completed (receives excepted).
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// A one-line summary of the state, for debugging stalls.
+    pub fn summary(&self) -> String {
+        format!(
+            "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
+             in_flight {} writer_in_use {} | ring held {} outstanding {} pending {} arrived {} \
+             reader_wants_report {} | {:?}",
+            self.credits.available(),
+            self.queue.len(),
+            match self.queue.front() {
+                None => "-",
+                Some(Out::Inline { .. }) => "inline",
+                Some(Out::Region { .. }) => "region",
+                Some(Out::Heap { .. }) => "heap",
+            },
+            self.free_send.len(),
+            self.free_ctrl.len(),
+            self.free_heap.len(),
+            self.heap_queued,
+            self.in_flight,
+            self.writer.in_use(),
+            self.ring.held(),
+            self.ring.outstanding(),
+            self.ring.pending(),
+            self.arrived.len(),
+            self.reader.wants_report(),
+            self.lifecycle,
+        )
+    }
+}
