@@ -1,11 +1,15 @@
-//! Two endpoints driven against each other in memory, by a seeded PRNG:
+//! Two of the shipped [`Connection`]s driven against each other in memory,
+//! with simulated registered memory and queue pairs, by a seeded PRNG:
 //! random frame sizes around every threshold, random delivery and release
 //! order, an application that keeps some frames forever. Checked at every
 //! step: no send without a credit, no receive without a posted slot, no
 //! region write into space not yet freed, credit conservation; at the end:
-//! every frame delivered intact and in order, all region space returned.
+//! every frame delivered intact and in order, all region space returned,
+//! and an orderly close seen at both ends.
 
 use std::collections::VecDeque;
+
+use bytes::Bytes;
 
 use super::*;
 
@@ -30,11 +34,17 @@ const SLOT_SIZE: usize = 96;
 const INLINE_MAX: usize = SLOT_SIZE - HEADER_LEN;
 const REGION: usize = 256;
 const MAX_FRAME: usize = 1000;
+const SEND_SLOTS: usize = (SLOTS + CTRL_SLOTS + HEAP_SLOTS) as usize;
 
-/// A message on the wire: its header and inline body.
+/// A message on the wire: the bytes its SEND carried.
 struct Msg {
-    header: Header,
-    body: Vec<u8>,
+    bytes: Vec<u8>,
+}
+
+impl Msg {
+    fn header(&self) -> Header {
+        Header::decode(&self.bytes, self.bytes.len()).expect("a valid header on the wire")
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -43,20 +53,29 @@ enum Got {
     Oversized(usize),
 }
 
-/// One endpoint: its sending state towards the peer and its receiving state.
+/// One endpoint: the shipped [`Connection`] and the memory and queue pair
+/// it would have on a device, simulated.
 struct Side {
-    // sending
-    queue: VecDeque<(Vec<u8>, usize)>,
-    credits: CreditWindow,
-    writer: RegionWriter,
-    // receiving
-    ring: RecvRing,
-    posted: u32,
-    reader: RegionReader,
+    conn: Connection,
+    /// Receive slots (the ring), and the ones posted, in posting order (an
+    /// RC receive queue consumes them in that order).
+    slots: Vec<Vec<u8>>,
+    posted: VecDeque<u32>,
+    /// Our region (the peer writes it), which bytes hold unread chunks, and
+    /// the writes into it not yet freed (pos, offset, len).
     region: Vec<u8>,
     occupied: Vec<bool>,
-    reassembly: Reassembly,
-    held: Vec<Vec<u8>>,
+    writes: VecDeque<(u64, usize, usize)>,
+    /// Send slots and staging, as the sender encodes into them.
+    send: Vec<Vec<u8>>,
+    staging: Vec<u8>,
+    /// Send slots whose SEND is posted and not completed, and completions
+    /// the device has for us, not yet polled.
+    sending: Vec<bool>,
+    completions: VecDeque<(u64, usize, Vec<u8>)>,
+    /// Frames queued by the application, not yet accepted by `handle_send`.
+    app_queue: VecDeque<Vec<u8>>,
+    held: Vec<u32>,
     kept_forever: usize,
     got: Vec<Got>,
 }
@@ -64,15 +83,27 @@ struct Side {
 impl Side {
     fn new() -> Side {
         Side {
-            queue: VecDeque::new(),
-            credits: CreditWindow::new(SLOTS),
-            writer: RegionWriter::new(REGION as u64),
-            ring: RecvRing::new(SLOTS),
-            posted: SLOTS,
-            reader: RegionReader::new(REGION as u64),
+            conn: Connection::new(Config {
+                ring_slots: SLOTS,
+                slot_size: SLOT_SIZE,
+                region_len: REGION as u64,
+                peer_ring_slots: SLOTS,
+                peer_region_len: REGION as u64,
+                inline_max: INLINE_MAX,
+                max_frame_len: MAX_FRAME,
+                max_skip_len: 4 * MAX_FRAME,
+                prefix_len: 20,
+            }),
+            slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
+            posted: (0..SLOTS).collect(),
             region: vec![0; REGION],
             occupied: vec![false; REGION],
-            reassembly: Reassembly::new(MAX_FRAME, 4 * MAX_FRAME, 20),
+            writes: VecDeque::new(),
+            send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
+            staging: vec![0; REGION],
+            sending: vec![false; SEND_SLOTS],
+            completions: VecDeque::new(),
+            app_queue: VecDeque::new(),
             held: Vec::new(),
             kept_forever: 0,
             got: Vec::new(),
@@ -80,134 +111,190 @@ impl Side {
     }
 }
 
-fn stamp(h: &mut Header, me: &mut Side) {
-    h.credits = me.ring.take_credits();
-    h.freed_to = me.reader.report();
+/// The simulated device's reads for `poll_delivery`.
+struct SimMemory<'a> {
+    slots: &'a [Vec<u8>],
+    region: &'a [u8],
 }
 
-/// Sends what `me` may send to `peer` now; returns how many messages went.
+impl ReadReceived for SimMemory<'_> {
+    fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.slots[slot as usize][offset..offset + dst.len()]);
+    }
+    fn read_region(&self, offset: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.region[offset..offset + dst.len()]);
+    }
+}
+
+/// The application hands `me` the frames it queued, encoding each where
+/// the connection says; returns how many were accepted.
+fn send_frames(me: &mut Side) -> usize {
+    let mut accepted = 0;
+    while let Some(frame) = me.app_queue.front() {
+        let r = match me.conn.handle_send(frame.len()) {
+            SendDecision::Encode(r) => r,
+            SendDecision::Wait => break,
+            SendDecision::Refused(refusal) => panic!("refused: {refusal:?}"),
+        };
+        let frame = me.app_queue.pop_front().expect("front");
+        let heap = match me.conn.encode_into(&r) {
+            EncodeInto::SendSlot { slot } => {
+                assert!(
+                    !me.sending[slot as usize],
+                    "encoding into a send slot in flight"
+                );
+                me.send[slot as usize][HEADER_LEN..HEADER_LEN + frame.len()]
+                    .copy_from_slice(&frame);
+                None
+            }
+            EncodeInto::Staging { offset } => {
+                me.staging[offset..offset + frame.len()].copy_from_slice(&frame);
+                None
+            }
+            EncodeInto::Heap => Some(Bytes::from(frame)),
+        };
+        me.conn.queue_frame(r, heap).expect("queued");
+        accepted += 1;
+    }
+    accepted
+}
+
+/// Carries out what `me` decided to post towards `peer`; returns how many
+/// work requests.
 fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
-    let mut sent = 0;
-    while let Some((frame, done)) = me.queue.front_mut() {
-        let mut header;
-        let body;
-        match route(frame.len(), INLINE_MAX, me.writer.max_chunk() as usize) {
-            Route::Inline => {
-                if !me.credits.take_data() {
-                    break;
-                }
-                header = Header::new(Kind::Inline);
-                header.len = frame.len() as u32;
-                body = frame.clone();
-                *done = frame.len();
+    send_frames(me);
+    let mut posted = 0;
+    while let Some(t) = me.conn.poll_transmit() {
+        posted += 1;
+        match t {
+            Transmit::Recv { slot } => {
+                assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
+                me.posted.push_back(slot);
             }
-            Route::Region | Route::Chunked => {
-                let n = (frame.len() - *done).min(me.writer.max_chunk() as usize);
-                if me.credits.available() < 2 {
-                    break;
+            Transmit::Write {
+                offset,
+                len,
+                pos,
+                data,
+            } => {
+                if let Some(data) = data {
+                    me.staging[offset..offset + len].copy_from_slice(&data);
                 }
-                let Some(pos) = me.writer.alloc(n as u64) else {
-                    break;
-                };
-                assert!(me.credits.take_data());
                 // The RDMA WRITE: lands in the peer's region before the SEND.
-                let off = me.writer.offset(pos);
-                for i in off..off + n {
-                    assert!(!peer.occupied[i], "region write into space not freed");
-                    peer.occupied[i] = true;
+                for o in &mut peer.occupied[offset..offset + len] {
+                    assert!(!*o, "region write into space not freed");
+                    *o = true;
                 }
-                peer.region[off..off + n].copy_from_slice(&frame[*done..*done + n]);
-                header = Header::new(Kind::Chunk);
-                header.len = n as u32;
-                header.pos = pos;
-                if *done == 0 {
-                    header.flags |= FIRST;
-                    header.total = frame.len() as u32;
+                peer.region[offset..offset + len]
+                    .copy_from_slice(&me.staging[offset..offset + len]);
+                peer.writes.push_back((pos, offset, len));
+                me.completions
+                    .push_back((WorkKind::Write.wr_id(0), 0, Vec::new()));
+            }
+            Transmit::Send {
+                kind,
+                slot,
+                header,
+                body_len,
+            } => {
+                let s = slot as usize;
+                assert!(
+                    !me.sending[s],
+                    "send slot {slot} reused before its completion"
+                );
+                me.sending[s] = true;
+                header.encode((&mut me.send[s][..HEADER_LEN]).try_into().expect("header"));
+                let bytes = me.send[s][..HEADER_LEN + body_len].to_vec();
+                // What the header reports freed in our region: the peer's
+                // writes below it may be overwritten from now on.
+                while let Some(&(pos, off, len)) = me.writes.front() {
+                    if pos + len as u64 > header.freed_to {
+                        break;
+                    }
+                    for o in &mut me.occupied[off..off + len] {
+                        *o = false;
+                    }
+                    me.writes.pop_front();
                 }
-                *done += n;
-                if *done == frame.len() {
-                    header.flags |= LAST;
-                }
-                body = Vec::new();
+                wire.push_back(Msg { bytes });
+                me.completions.push_back((kind.wr_id(slot), 0, Vec::new()));
             }
         }
-        let complete = *done == frame.len();
-        stamp(&mut header, me);
-        wire.push_back(Msg { header, body });
-        sent += 1;
-        if complete {
-            me.queue.pop_front();
-        }
     }
-    if (me.ring.wants_credit_message() || me.reader.wants_report()) && me.credits.take_control() {
-        let mut header = Header::new(Kind::Credit);
-        stamp(&mut header, me);
-        wire.push_back(Msg {
-            header,
-            body: Vec::new(),
-        });
-        sent += 1;
-    }
-    sent
+    posted
 }
 
-/// `me` receives one message.
-fn receive(me: &mut Side, msg: Msg) {
-    assert!(
-        me.posted > 0,
-        "message arrived with no receive posted (RNR)"
-    );
-    me.posted -= 1;
-    let mut bytes = msg.header.to_bytes().to_vec();
-    bytes.extend_from_slice(&msg.body);
-    let h = Header::decode(&bytes, bytes.len()).expect("valid header");
-    me.ring.on_arrival().expect("credit held");
-    // What the peer returns applies to `me`'s sending side.
-    me.credits.grant(h.credits).expect("credits");
-    me.writer.on_freed(h.freed_to).expect("freed_to");
-    let repost = |me: &mut Side| {
-        me.posted += 1;
-        me.ring.on_reposted();
+/// `me`'s device takes the next message off the wire into a posted slot.
+fn arrive(me: &mut Side, msg: Msg) {
+    let slot = me
+        .posted
+        .pop_front()
+        .expect("message arrived with no receive posted (RNR)");
+    let _ = msg.header();
+    let n = msg.bytes.len();
+    me.slots[slot as usize][..n].copy_from_slice(&msg.bytes);
+    me.completions.push_back((
+        WorkKind::Recv.wr_id(slot),
+        n,
+        msg.bytes[..HEADER_LEN.min(n)].to_vec(),
+    ));
+}
+
+/// `me` polls its completions and hands up what arrived.
+fn poll(me: &mut Side) -> usize {
+    let mut n = 0;
+    while let Some((wr_id, byte_len, header)) = me.completions.pop_front() {
+        if let Some((WorkKind::Send | WorkKind::Control | WorkKind::Heap, slot)) =
+            WorkKind::from_wr_id(wr_id)
+        {
+            me.sending[slot as usize] = false;
+        }
+        me.conn.handle_completion(Completion {
+            wr_id,
+            failure: None,
+            byte_len,
+            header: &header,
+        });
+        n += 1;
+    }
+    let mem = SimMemory {
+        slots: &me.slots,
+        region: &me.region,
     };
-    match h.kind {
-        Kind::Inline => {
-            let frame = msg.body;
-            if let Some(v) = me.reassembly.check_len(frame.len(), &frame) {
-                let Assembled::Oversized { len, .. } = v else {
-                    panic!("too large inline")
-                };
-                me.got.push(Got::Oversized(len));
-                repost(me);
-            } else {
-                match me.ring.deliver() {
-                    Delivery::ZeroCopy => me.held.push(frame.clone()),
-                    Delivery::Copy => repost(me),
-                }
-                me.got.push(Got::Frame(frame));
+    while let Some(d) = me.conn.poll_delivery(&mem) {
+        n += 1;
+        match d {
+            Delivered::InSlot { slot, len } => {
+                me.got.push(Got::Frame(
+                    me.slots[slot as usize][HEADER_LEN..HEADER_LEN + len].to_vec(),
+                ));
+                me.held.push(slot);
             }
+            Delivered::CopyOut { slot, len } => {
+                me.got.push(Got::Frame(
+                    me.slots[slot as usize][HEADER_LEN..HEADER_LEN + len].to_vec(),
+                ));
+                me.conn.handle_copied(slot);
+            }
+            Delivered::Frame(f) => me.got.push(Got::Frame(f)),
+            Delivered::Oversized { len, .. } => me.got.push(Got::Oversized(len)),
+            other => panic!("unexpected delivery {other:?}"),
         }
-        Kind::Chunk => {
-            // Zero-copy frames still held come first in order: "deliver" them.
-            let off = me.reader.accept(h.pos, h.len.into()).expect("valid chunk");
-            let n = h.len as usize;
-            let data = me.region[off..off + n].to_vec();
-            for o in &mut me.occupied[off..off + n] {
-                *o = false;
-            }
-            me.reader.free_all();
-            match me
-                .reassembly
-                .chunk(h.flags, h.total, &data)
-                .expect("sequence")
-            {
-                Some(Assembled::Frame(f)) => me.got.push(Got::Frame(f)),
-                Some(Assembled::Oversized { len, .. }) => me.got.push(Got::Oversized(len)),
-                Some(Assembled::TooLarge { .. }) => panic!("too large"),
-                None => {}
-            }
-            repost(me);
-        }
-        Kind::Credit | Kind::Close => repost(me),
+    }
+    assert_eq!(me.conn.failure(), None, "the connection failed");
+    n
+}
+
+/// The application drops one held frame (not one it keeps forever).
+fn release_one(me: &mut Side, rng: &mut XorShift) -> bool {
+    let keep = me.kept_forever;
+    if me.held.len() > keep {
+        let i = keep + rng.below((me.held.len() - keep) as u64) as usize;
+        let slot = me.held.remove(i);
+        me.conn.handle_released(slot);
+        true
+    } else {
+        false
     }
 }
 
@@ -225,6 +312,43 @@ fn pick_len(rng: &mut XorShift) -> usize {
     }
 }
 
+/// Credit conservation (credits returned travel on the other direction's
+/// wire), and: posted slots cover every credit and message in flight.
+fn check(a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>) {
+    let carried = |w: &VecDeque<Msg>| w.iter().map(|m| u32::from(m.header().credits)).sum::<u32>();
+    // Receives completed but not yet polled hold a slot, and the credits
+    // they carry are not granted yet.
+    let recvs = |s: &Side| {
+        s.completions
+            .iter()
+            .filter(|c| matches!(WorkKind::from_wr_id(c.0), Some((WorkKind::Recv, _))))
+            .map(|c| Header::decode(&c.2, c.1).expect("header"))
+            .collect::<Vec<_>>()
+    };
+    let unpolled = |s: &Side| recvs(s).len() as u32;
+    let ungranted = |s: &Side| recvs(s).iter().map(|h| u32::from(h.credits)).sum::<u32>();
+    assert_eq!(
+        a.conn.credits_available()
+            + to_b.len() as u32
+            + unpolled(b)
+            + b.conn.ring_outstanding()
+            + carried(to_a)
+            + ungranted(a),
+        SLOTS
+    );
+    assert_eq!(
+        b.conn.credits_available()
+            + to_a.len() as u32
+            + unpolled(a)
+            + a.conn.ring_outstanding()
+            + carried(to_b)
+            + ungranted(b),
+        SLOTS
+    );
+    assert!(b.posted.len() as u32 >= a.conn.credits_available() + to_b.len() as u32);
+    assert!(a.posted.len() as u32 >= b.conn.credits_available() + to_a.len() as u32);
+}
+
 fn run(seed: u64, steps: usize) {
     let mut rng = XorShift(seed | 1);
     let mut a = Side::new();
@@ -236,24 +360,8 @@ fn run(seed: u64, steps: usize) {
     let mut expect_a = Vec::new();
     let mut next = 0;
     b.kept_forever = rng.below(4) as usize;
-    let check = |a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>| {
-        // Credit conservation, and: posted slots cover every credit and message in flight.
-        // (credits returned travel on the other direction's wire).
-        let carried =
-            |w: &VecDeque<Msg>| w.iter().map(|m| u32::from(m.header.credits)).sum::<u32>();
-        assert_eq!(
-            a.credits.available() + to_b.len() as u32 + b.ring.outstanding() + carried(to_a),
-            SLOTS
-        );
-        assert_eq!(
-            b.credits.available() + to_a.len() as u32 + a.ring.outstanding() + carried(to_b),
-            SLOTS
-        );
-        assert!(b.posted >= a.credits.available() + to_b.len() as u32);
-        assert!(a.posted >= b.credits.available() + to_a.len() as u32);
-    };
     for _ in 0..steps {
-        match rng.below(10) {
+        match rng.below(12) {
             0 | 1 => {
                 let len = pick_len(&mut rng);
                 let f = frame(next, len);
@@ -264,10 +372,10 @@ fn run(seed: u64, steps: usize) {
                     Got::Frame(f.clone())
                 };
                 if rng.below(3) == 0 {
-                    b.queue.push_back((f, 0));
+                    b.app_queue.push_back(f);
                     expect_a.push(want);
                 } else {
-                    a.queue.push_back((f, 0));
+                    a.app_queue.push_back(f);
                     expect_b.push(want);
                 }
             }
@@ -279,24 +387,23 @@ fn run(seed: u64, steps: usize) {
             }
             4 | 5 => {
                 if let Some(m) = to_b.pop_front() {
-                    receive(&mut b, m);
+                    arrive(&mut b, m);
                 }
             }
             6 | 7 => {
                 if let Some(m) = to_a.pop_front() {
-                    receive(&mut a, m);
+                    arrive(&mut a, m);
                 }
             }
+            8 => {
+                poll(&mut a);
+            }
+            9 => {
+                poll(&mut b);
+            }
             _ => {
-                for side in [&mut a, &mut b] {
-                    let keep = side.kept_forever;
-                    if side.held.len() > keep {
-                        let i = keep + rng.below((side.held.len() - keep) as u64) as usize;
-                        side.held.remove(i);
-                        side.posted += 1;
-                        side.ring.on_released();
-                    }
-                }
+                release_one(&mut a, &mut rng);
+                release_one(&mut b, &mut rng);
             }
         }
         check(&a, &b, &to_b, &to_a);
@@ -306,18 +413,18 @@ fn run(seed: u64, steps: usize) {
     for _ in 0..100_000 {
         let mut moved = pump(&mut a, &mut b, &mut to_b) + pump(&mut b, &mut a, &mut to_a);
         while let Some(m) = to_b.pop_front() {
-            receive(&mut b, m);
+            arrive(&mut b, m);
             moved += 1;
         }
         while let Some(m) = to_a.pop_front() {
-            receive(&mut a, m);
+            arrive(&mut a, m);
             moved += 1;
         }
+        moved += poll(&mut a) + poll(&mut b);
         for side in [&mut a, &mut b] {
             while side.held.len() > side.kept_forever {
-                side.held.pop().expect("held");
-                side.posted += 1;
-                side.ring.on_released();
+                let slot = side.held.pop().expect("held");
+                side.conn.handle_released(slot);
                 moved += 1;
             }
         }
@@ -326,19 +433,61 @@ fn run(seed: u64, steps: usize) {
             break;
         }
     }
-    assert!(
-        a.queue.is_empty() && b.queue.is_empty(),
-        "seed {seed}: stalled"
-    );
+    for (side, name) in [(&a, "a"), (&b, "b")] {
+        assert!(
+            side.app_queue.is_empty() && side.conn.queued() == 0,
+            "seed {seed}: {name} stalled: {}",
+            side.conn.summary()
+        );
+    }
     for (side, expect, name) in [(&a, expect_a, "a"), (&b, expect_b, "b")] {
         assert!(
             side.got == expect,
             "seed {seed}: {name} frames differ or out of order"
         );
         assert_eq!(
-            side.writer.in_use(),
+            side.conn.region_in_use(),
             0,
             "seed {seed}: region space not returned"
+        );
+    }
+    // An orderly close each way: each side sees the end of the stream.
+    a.conn.close();
+    b.conn.close();
+    for _ in 0..100 {
+        pump(&mut a, &mut b, &mut to_b);
+        pump(&mut b, &mut a, &mut to_a);
+        while let Some(m) = to_b.pop_front() {
+            arrive(&mut b, m);
+        }
+        while let Some(m) = to_a.pop_front() {
+            arrive(&mut a, m);
+        }
+        for side in [&mut a, &mut b] {
+            while let Some((wr_id, byte_len, header)) = side.completions.pop_front() {
+                side.conn.handle_completion(Completion {
+                    wr_id,
+                    failure: None,
+                    byte_len,
+                    header: &header,
+                });
+            }
+        }
+    }
+    for (side, name) in [(&mut a, "a"), (&mut b, "b")] {
+        let mem = SimMemory {
+            slots: &side.slots,
+            region: &side.region,
+        };
+        assert_eq!(
+            side.conn.poll_delivery(&mem),
+            Some(Delivered::Eof),
+            "seed {seed}: {name} did not see the end"
+        );
+        assert!(
+            side.conn.is_drained(),
+            "seed {seed}: {name}: {}",
+            side.conn.summary()
         );
     }
 }
@@ -360,25 +509,27 @@ fn one_way_bulk_with_stingy_app() {
     let frames: Vec<_> = (0..500)
         .map(|i| frame(i, (i * 37) % (3 * REGION)))
         .collect();
-    for f in &frames {
-        a.queue.push_back((f.clone(), 0));
-    }
+    a.app_queue.extend(frames.iter().cloned());
     for _ in 0..100_000 {
-        let moved = pump(&mut a, &mut b, &mut to_b) + pump(&mut b, &mut a, &mut to_a);
-        let mut got = 0;
+        let mut moved = pump(&mut a, &mut b, &mut to_b) + pump(&mut b, &mut a, &mut to_a);
         while let Some(m) = to_b.pop_front() {
-            receive(&mut b, m);
-            got += 1;
+            arrive(&mut b, m);
+            moved += 1;
         }
         while let Some(m) = to_a.pop_front() {
-            receive(&mut a, m);
-            got += 1;
+            arrive(&mut a, m);
+            moved += 1;
         }
-        if moved + got == 0 {
+        moved += poll(&mut a) + poll(&mut b);
+        if moved == 0 {
             break;
         }
     }
-    assert!(a.queue.is_empty(), "the sender stalled");
+    assert!(
+        a.app_queue.is_empty() && a.conn.queued() == 0,
+        "the sender stalled: {}",
+        a.conn.summary()
+    );
     let want: Vec<_> = frames.into_iter().map(Got::Frame).collect();
     assert!(b.got == want, "frames differ or out of order");
 }
