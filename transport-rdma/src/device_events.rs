@@ -24,23 +24,8 @@ use rpc_core::transport::TransportError;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
-use crate::verbs::{
-    AsyncEvent, AsyncEventKind, AsyncEvents, CmId, CompletionQueue, CqId, DeviceId, EventElement,
-    QueuePair,
-};
-
-/// The connections an event fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Target {
-    /// The one that owns this queue pair.
-    Qp(u32),
-    /// The one that owns this completion queue.
-    Cq(CqId),
-    /// Every connection on this port of the device.
-    Port(u8),
-    /// Every connection on the device.
-    Device,
-}
+use crate::registry::{self, Target};
+use crate::verbs::{AsyncEvent, AsyncEventKind, AsyncEvents, CmId, DeviceId, EventElement};
 
 /// Which connections `event` fails, if any.
 pub(crate) fn target(event: &AsyncEvent) -> Option<Target> {
@@ -86,42 +71,6 @@ pub(crate) fn reason(device: &str, event: &AsyncEvent) -> String {
     }
 }
 
-/// Where a connection sits on its device: what async events name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Placement {
-    pub(crate) device: DeviceId,
-    pub(crate) port: u8,
-    pub(crate) qp_num: u32,
-    pub(crate) cq: CqId,
-}
-
-impl Placement {
-    /// The placement of the connection of `id`, `qp` and `cq`.
-    pub(crate) fn of(
-        id: &CmId,
-        qp: &QueuePair,
-        cq: &CompletionQueue,
-    ) -> Result<Placement, crate::verbs::Error> {
-        Ok(Placement {
-            device: id.device_id()?,
-            port: id.port_num(),
-            qp_num: qp.qp_num(),
-            cq: cq.id(),
-        })
-    }
-
-    /// Whether an event of `device` aimed at `target` fails this connection.
-    pub(crate) fn is_hit(&self, device: DeviceId, target: Target) -> bool {
-        self.device == device
-            && match target {
-                Target::Qp(qp) => self.qp_num == qp,
-                Target::Cq(cq) => self.cq == cq,
-                Target::Port(port) => self.port == port,
-                Target::Device => true,
-            }
-    }
-}
-
 /// Keeps the watcher of a connection's device running (see the module docs).
 pub(crate) struct WatchLease {
     device: DeviceId,
@@ -145,7 +94,7 @@ fn watchers() -> std::sync::MutexGuard<'static, Vec<Watcher>> {
 }
 
 /// Makes sure the device of `id` (an established connection's, already
-/// findable by [`crate::conn::fail_on_device`]) has a watcher; the lease
+/// findable by [`crate::registry::fail_on_device`]) has a watcher; the lease
 /// keeps it running.
 pub(crate) fn watch(id: &CmId) -> Result<WatchLease, TransportError> {
     let context = "watch the device's async events";
@@ -271,7 +220,7 @@ fn act(device: DeviceId, name: &str, event: &AsyncEvent, target: Option<Target>,
     let reason = reason(name, event);
     match target {
         Some(target) => {
-            let failed = crate::conn::fail_on_device(device, target, &reason);
+            let failed = registry::fail_on_device(device, target, &reason);
             tracing::warn!("{queued}async event {reason}: failed {failed} connection(s)");
         }
         None => tracing::debug!("{queued}async event {reason}: nothing to do"),
@@ -283,13 +232,15 @@ fn act(device: DeviceId, name: &str, event: &AsyncEvent, target: Option<Target>,
 /// most likely gone).
 fn give_up(device: DeviceId, name: &str, what: &str) {
     let reason = format!("{name}: {what}");
-    let failed = crate::conn::fail_on_device(device, Target::Device, &reason);
+    let failed = registry::fail_on_device(device, Target::Device, &reason);
     tracing::warn!("{reason}: failed {failed} connection(s)");
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::Placement;
+    use crate::verbs::CqId;
     use AsyncEventKind as K;
 
     fn event(kind: AsyncEventKind, element: EventElement) -> AsyncEvent {

@@ -107,6 +107,7 @@
 mod conn;
 mod device_events;
 pub mod proto;
+mod registry;
 pub mod verbs;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -127,7 +128,7 @@ use crate::verbs::{CmId, EventChannel};
 /// queues, ring and region accounting), for diagnosing stalls.
 #[doc(hidden)]
 pub fn debug_dump() -> String {
-    conn::debug_dump()
+    registry::debug_dump()
 }
 
 /// Makes `rdma://` addresses work in this process, with default settings.

@@ -20,7 +20,7 @@
 //! `unsafe`: the caller keeps each region registered (and its buffer
 //! allocated) until the request completed or the QP is destroyed, which in
 //! practice means the owner of both drops the QP first (the transport's
-//! connection types declare the QP before the memory, see `conn.rs`). A
+//! connection types declare the QP before the memory, see `conn/setup.rs`). A
 //! region whose deregistration fails is leaked, never freed.
 //!
 //! # Thread safety

@@ -1,0 +1,197 @@
+//! The connection's driver task: completions, connection-manager events
+//! and released slots in; it ends when the connection failed or both
+//! halves are dropped and everything was sent.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpc_core::transport::{Connection, FrameLimits, TransportError};
+use tokio::io::unix::AsyncFd;
+
+use super::io::{BusyPoll, RdmaSink, RdmaSource};
+use super::io_error;
+use super::setup::Established;
+use super::state::Shared;
+use crate::device_events;
+use crate::registry;
+use crate::verbs::{CmId, CompletionChannel};
+use crate::RdmaTransport;
+
+struct CqFd(CompletionChannel);
+
+impl AsRawFd for CqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.fd()
+    }
+}
+
+/// The connection's `cm_id`, registered with tokio by its event channel's descriptor.
+struct CmFd(CmId);
+
+impl AsRawFd for CmFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.channel().fd()
+    }
+}
+
+fn register<T: AsRawFd>(inner: T, what: &str) -> Result<AsyncFd<T>, TransportError> {
+    // SAFETY: `inner` (a `CqFd` or `CmFd`) owns the object whose open
+    // descriptor it returns, always the same one; the AsyncFd owns `inner`,
+    // so the descriptor stays open until the AsyncFd is dropped (it
+    // deregisters before dropping `inner`).
+    unsafe { AsyncFd::register(inner) }
+        .map_err(|e| TransportError::io(format!("register the {what}"), e.into_parts().1))
+}
+
+pub(crate) fn start(
+    est: Established,
+    limits: FrameLimits,
+    cfg: &RdmaTransport,
+) -> Result<Connection, TransportError> {
+    let placement = est
+        .placement()
+        .map_err(|e| io_error("find the connection's device objects", e))?;
+    // From here on the QP and the memory live in `Shared` (QP first), so
+    // an error below drops them in that order.
+    let (shared, id, cc) = est.into_shared(limits, cfg);
+    let cq_fd = register(CqFd(cc), "completion channel")?;
+    let cm_fd = register(CmFd(id), "connection manager channel")?;
+    let peer_addr = shared.peer.clone();
+    let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;
+    registry::add(Arc::downgrade(&live), placement);
+    // After the connection is in the registry: a starting watcher acts on the
+    // events that queued before it, this connection's included.
+    let device_watch = device_events::watch(&cm_fd.get_ref().0)?;
+    shared
+        .cq
+        .arm()
+        .map_err(|e| io_error("arm the completion queue", e))?;
+    tokio::spawn(drive(
+        Arc::clone(&shared),
+        Driver {
+            cq_fd,
+            cm_fd,
+            _device_watch: device_watch,
+        },
+    ));
+    Ok(Connection {
+        sink: Arc::new(RdmaSink {
+            shared: Arc::clone(&shared),
+        }),
+        source: Box::new(RdmaSource {
+            shared,
+            spin: BusyPoll::new(cfg.busy_poll),
+        }),
+        peer: peer_addr,
+    })
+}
+
+struct Driver {
+    cq_fd: AsyncFd<CqFd>,
+    cm_fd: AsyncFd<CmFd>,
+    /// Keeps the device's async-event watcher running while the driver does.
+    _device_watch: device_events::WatchLease,
+}
+
+/// Handles every completion waiting in the CQ; returns how many.
+fn drain_cq(shared: &Shared) -> usize {
+    shared.lock().drain_cq(&shared.cq, &shared.mem)
+}
+
+/// Reposts the slots the application released.
+fn repost_released(shared: &Shared) {
+    let released = std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
+    if released.is_empty() {
+        return;
+    }
+    let mut st = shared.lock();
+    for slot in released {
+        st.proto.handle_released(slot);
+    }
+    st.flush(&shared.mem);
+}
+
+/// The connection's driver: completions, connection-manager events,
+/// released slots; ends when the connection failed or both halves are
+/// dropped and everything was sent.
+async fn drive(shared: Arc<Shared>, mut d: Driver) {
+    let mut linger_since: Option<Instant> = None;
+    loop {
+        drain_cq(&shared);
+        repost_released(&shared);
+        {
+            let st = shared.lock();
+            if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
+                break;
+            }
+            if st.handles == 0 {
+                let done = st.proto.is_drained();
+                let since = *linger_since.get_or_insert_with(Instant::now);
+                if done || since.elapsed() > Duration::from_secs(5) {
+                    break;
+                }
+            }
+        }
+        let linger = async {
+            if linger_since.is_some() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            ready = d.cq_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for completions: {e}")); continue; }
+                }
+                loop {
+                    match d.cq_fd.get_ref().0.try_take_event() {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
+                    }
+                }
+                if let Err(e) = shared.cq.arm() {
+                    shared.lock().fail(format!("arming the completion queue: {e}"));
+                }
+            }
+            ready = d.cm_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for CM events: {e}")); continue; }
+                }
+                loop {
+                    match d.cm_fd.get_ref().0.channel().try_event() {
+                        Ok(Some(event)) if event.ends_connection() => {
+                            // What the peer sent before it went is in the CQ:
+                            // take it first (its `Close`, its last frames).
+                            drain_cq(&shared);
+                            // Orderly if the peer said Close first (what
+                            // arrived before it is still delivered); else a
+                            // failure.
+                            let mut st = shared.lock();
+                            st.proto.handle_disconnected(&format!("{}: {}", shared.peer, event.name()));
+                            st.wake();
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(e) => { shared.lock().fail(format!("reading CM events: {e}")); break; }
+                    }
+                }
+            }
+            () = shared.wake_task.notified() => {}
+            () = linger => {}
+        }
+    }
+    let _ = d.cm_fd.get_mut().0.disconnect();
+    // Wake whoever waits: they see the failure (or the end).
+    let mut st = shared.lock();
+    for w in st.send_waiters.drain(..) {
+        w.wake();
+    }
+    if let Some(w) = st.recv_waker.take() {
+        w.wake();
+    }
+}

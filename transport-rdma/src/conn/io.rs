@@ -1,0 +1,279 @@
+//! The halves the application uses: the sink (encodes frames where the
+//! protocol says, guarded against panicking encoders) and the source
+//! (hands frames up, zero-copy from receive slots where it may).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rpc_core::frame::OutFrame;
+use rpc_core::transport::{FrameSink, FrameSource, TransportError};
+
+use super::state::{connection_error, refusal_error, Shared, State};
+use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
+
+struct SlotGuard {
+    pub(super) shared: Arc<Shared>,
+    slot: u32,
+    range: Range<usize>,
+}
+
+impl AsRef<[u8]> for SlotGuard {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the slot's receive completed and it is reposted only after
+        // this guard drops; nothing writes it meanwhile (the ring is local
+        // write only: the peer cannot write it).
+        unsafe { self.shared.mem.recv.slice(self.range.clone()) }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.shared
+            .released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.slot);
+        self.shared.wake_task.notify_one();
+    }
+}
+
+pub(super) struct RdmaSink {
+    pub(super) shared: Arc<Shared>,
+}
+
+/// Gives back what a frame was given in registered memory (its send slot,
+/// its region space) if encoding it there panics (a payload's encoder may);
+/// [`encoded`](Self::encoded) disarms it. Held while the connection's lock
+/// is, so a region allocation is still the writer's newest: rolling it back
+/// is exact.
+struct CancelOnUnwind<'a> {
+    state: &'a mut State,
+    reservation: Reservation,
+}
+
+impl CancelOnUnwind<'_> {
+    /// The frame was encoded: it keeps what it was given.
+    fn encoded(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for CancelOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.state.proto.cancel_send(self.reservation);
+        self.state.wake();
+    }
+}
+
+/// Gives back the heap frame's place if encoding a frame onto the heap,
+/// outside the lock, panics; forgotten once it is encoded.
+struct CancelHeapOnUnwind<'a> {
+    pub(super) shared: &'a Shared,
+    reservation: Reservation,
+}
+
+impl Drop for CancelHeapOnUnwind<'_> {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        st.proto.cancel_send(self.reservation);
+        st.wake();
+    }
+}
+
+impl FrameSink for RdmaSink {
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        frame: &OutFrame<'_>,
+    ) -> Poll<Result<(), TransportError>> {
+        let shared = &*self.shared;
+        let mem = &shared.mem;
+        let mut st = shared.lock();
+        let len = frame.len();
+        let reservation = match st.proto.handle_send(len) {
+            SendDecision::Encode(reservation) => reservation,
+            SendDecision::Wait => {
+                st.wait_send(cx);
+                return Poll::Pending;
+            }
+            SendDecision::Refused(refusal) => return Poll::Ready(Err(refusal_error(refusal))),
+        };
+        let in_place = match st.proto.encode_into(&reservation) {
+            EncodeInto::SendSlot { slot } => {
+                let start = mem.send_slot(slot).start + HEADER_LEN;
+                // SAFETY: the slot was free: no posted send and no other
+                // slice covers it; it is inside the send region (len fits a
+                // slot after the header: len <= inline_max).
+                Some(unsafe { mem.send.slice_mut(start..start + len) })
+            }
+            EncodeInto::Staging { offset } => {
+                // SAFETY: just allocated in the staging region: no posted
+                // WRITE reads it (the peer freed it) and no other slice.
+                Some(unsafe { mem.staging.slice_mut(offset..offset + len) })
+            }
+            EncodeInto::Heap => None,
+        };
+        if let Some(mut dst) = in_place {
+            let encoding = CancelOnUnwind {
+                state: &mut st,
+                reservation,
+            };
+            frame.encode(&mut dst);
+            encoding.encoded();
+            st.proto
+                .queue_frame(reservation, None)
+                .expect("a frame encoded in place under the lock is always queued");
+        } else {
+            // A chunked frame (up to the frame limit, 64 MiB) is encoded
+            // without the connection's lock: completions, receivers and
+            // other senders go on meanwhile; its place is reserved.
+            drop(st);
+            let encoding = CancelHeapOnUnwind {
+                shared,
+                reservation,
+            };
+            let mut data = Vec::with_capacity(len);
+            frame.encode(&mut data);
+            std::mem::forget(encoding);
+            st = shared.lock();
+            if let Err(refusal) = st.proto.queue_frame(reservation, Some(Bytes::from(data))) {
+                st.wake();
+                return Poll::Ready(Err(refusal_error(refusal)));
+            }
+        }
+        st.flush(mem);
+        Poll::Ready(Ok(()))
+    }
+
+    fn close(&self) {
+        let mut st = self.shared.lock();
+        st.proto.close();
+        st.flush(&self.shared.mem);
+    }
+}
+
+impl Drop for RdmaSink {
+    fn drop(&mut self) {
+        self.close();
+        self.shared.lock().handles -= 1;
+        self.shared.wake_task.notify_one();
+    }
+}
+
+pub(super) struct RdmaSource {
+    pub(super) shared: Arc<Shared>,
+    pub(super) spin: BusyPoll,
+}
+
+impl FrameSource for RdmaSource {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
+        let shared = &self.shared;
+        let mem = &shared.mem;
+        let mut st = shared.lock();
+        let result = loop {
+            let Some(delivered) = st.proto.poll_delivery(mem) else {
+                // Look in the CQ before waiting for the driver: a frame
+                // that is already there is not delayed by a wake-up (and
+                // this task does not wake itself for it).
+                st.recv_waker = None;
+                if st.drain_cq(&shared.cq, mem) > 0 {
+                    continue;
+                }
+                // Return what the chunks handled above freed.
+                st.flush(mem);
+                st.recv_waker = Some(cx.waker().clone());
+                drop(st);
+                if self.spin.keep_polling() {
+                    cx.waker().wake_by_ref();
+                }
+                return Poll::Pending;
+            };
+            match delivered {
+                Delivered::Eof => break Ok(None),
+                Delivered::Failed(reason) => break Err(connection_error(&reason)),
+                Delivered::InSlot { slot, len } => {
+                    let start = mem.recv_slot(slot).start + HEADER_LEN;
+                    break Ok(Some(Bytes::from_owner(SlotGuard {
+                        shared: Arc::clone(shared),
+                        slot,
+                        range: start..start + len,
+                    })));
+                }
+                Delivered::CopyOut { slot, len } => {
+                    let start = mem.recv_slot(slot).start + HEADER_LEN;
+                    // SAFETY: the slot's receive completed; it is reposted
+                    // only below, after this slice's last use.
+                    let data = unsafe { mem.recv.slice(start..start + len) };
+                    let bytes = Bytes::copy_from_slice(data);
+                    st.proto.handle_copied(slot);
+                    break Ok(Some(bytes));
+                }
+                Delivered::Frame(frame) => break Ok(Some(Bytes::from(frame))),
+                Delivered::Oversized { len, prefix } => {
+                    break Err(TransportError::Oversized {
+                        len,
+                        max: st.max_frame_len,
+                        prefix: Bytes::from(prefix),
+                    })
+                }
+                Delivered::TooLarge { len } => {
+                    break Err(TransportError::FrameTooLarge {
+                        len,
+                        max: st.max_frame_len,
+                    })
+                }
+            }
+        };
+        st.flush(mem);
+        drop(st);
+        self.spin.reset();
+        Poll::Ready(result)
+    }
+}
+
+/// The receiver's busy-poll window ([`RdmaTransport::busy_poll`]): after
+/// the last frame, for `window`, a receiver that finds nothing asks to be
+/// polled again at once (letting the runtime's other tasks run in between)
+/// instead of waiting for the completion channel's event.
+pub(super) struct BusyPoll {
+    window: Option<Duration>,
+    idle_since: Option<Instant>,
+    polls: u32,
+}
+
+impl BusyPoll {
+    pub(super) fn new(window: Option<Duration>) -> Self {
+        Self {
+            window,
+            idle_since: None,
+            polls: 0,
+        }
+    }
+
+    /// Whether to poll again rather than wait for an event.
+    fn keep_polling(&mut self) -> bool {
+        let Some(window) = self.window else {
+            return false;
+        };
+        // Reading the clock can be a system call (it is in an emulated
+        // guest): look at it every few polls only.
+        self.polls = self.polls.wrapping_add(1);
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        self.polls % 16 != 0 || since.elapsed() < window
+    }
+
+    fn reset(&mut self) {
+        self.idle_since = None;
+        self.polls = 0;
+    }
+}
+
+impl Drop for RdmaSource {
+    fn drop(&mut self) {
+        self.shared.lock().handles -= 1;
+        self.shared.wake_task.notify_one();
+    }
+}

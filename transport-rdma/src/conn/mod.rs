@@ -1,0 +1,38 @@
+//! The verbs glue: one RC connection's queue pair, registered memory and
+//! driver task, and the `FrameSink` / `FrameSource` over them.
+//!
+//! Split along its seams: [`setup`] (make the device objects, exchange
+//! hellos), [`state`] (the memory and the queue pair, carrying out what
+//! [`proto::Connection`](crate::proto::Connection) decides), [`io`] (the
+//! sink and source halves the application uses), [`driver`] (the task
+//! that feeds completions and connection-manager events in). The registry
+//! of live connections that device events fail is [`crate::registry`].
+//!
+//! All protocol decisions are [`crate::proto`]'s; this module owns the
+//! memory, posts the work requests the protocol allows, and turns
+//! completions and connection-manager events into protocol inputs.
+//!
+//! Memory of one connection (all registered with its own protection domain):
+//! - `recv`: the receive ring, `ring_slots × slot_size`, local write only,
+//!   every slot posted unless its message is being handled or held;
+//! - `region`: the large-payload region the peer RDMA-writes into
+//!   (local + remote write: the only remotely writable memory);
+//! - `send`: send slots (the peer's slot size, one per peer ring slot plus
+//!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
+//!   of heap-encoded frames); small frames are encoded into them;
+//! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
+//!   at the same offsets; region frames are encoded into it.
+
+mod driver;
+mod io;
+mod setup;
+mod state;
+
+pub(crate) use driver::start;
+pub(crate) use setup::{accept_blocking, connect_blocking};
+
+use rpc_core::transport::TransportError;
+
+pub(super) fn io_error(context: impl Into<String>, e: impl std::fmt::Display) -> TransportError {
+    TransportError::io(context, std::io::Error::other(e.to_string()))
+}

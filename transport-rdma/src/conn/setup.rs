@@ -1,0 +1,256 @@
+//! Connection set-up: the device objects of one connection, made in an
+//! order that tears down safely, and the hello exchange.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
+use tokio::sync::Notify;
+
+use super::io_error;
+use super::state::{Buffers, Shared, State};
+use crate::proto::{self, Hello, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
+use crate::registry::Placement;
+use crate::verbs::{
+    Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
+    QpCapabilities, QueuePair, RemoteRegion,
+};
+use crate::RdmaTransport;
+
+/// The queue pair and the memory its work requests use, in the one order
+/// they may be destroyed: Rust drops fields in declaration order, so the QP
+/// (which may have receives posted into `recv`, and whose peer may know
+/// `region`'s rkey) is destroyed before any region is deregistered and
+/// freed, on every path that drops this value (set-up errors included).
+/// Nothing moves the QP or the memory out of it separately.
+struct Wired {
+    /// Declared first: destroyed first.
+    qp: QueuePair,
+    recv: MemoryRegion,
+    region: MemoryRegion,
+}
+
+/// What a connection set-up produced, before its driver starts (all `Send`).
+/// Dropped as a whole on an error before the start: the QP goes first
+/// ([`Wired`]), then the memory only the local side uses.
+pub(crate) struct Established {
+    wired: Wired,
+    send: MemoryRegion,
+    staging: MemoryRegion,
+    cq: CompletionQueue,
+    cc: CompletionChannel,
+    id: CmId,
+    own: Hello,
+    peer: Hello,
+    peer_addr: String,
+}
+
+/// The device objects made before the hello exchange.
+struct Half {
+    wired: Wired,
+    cq: CompletionQueue,
+    cc: CompletionChannel,
+    pd: ProtectionDomain,
+    own: Hello,
+}
+
+fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
+    let pd = ProtectionDomain::new(id)?;
+    let cc = CompletionChannel::new(id)?;
+    let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + 4;
+    let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
+    let qp = QueuePair::new(
+        id,
+        &pd,
+        &cq,
+        &cq,
+        QpCapabilities {
+            max_send_wr,
+            max_recv_wr: cfg.ring_slots + 1,
+        },
+    )?;
+    let slot = cfg.slot_size as usize;
+    let recv = MemoryRegion::new(&pd, cfg.ring_slots as usize * slot, Access::LOCAL_WRITE)?;
+    let region = MemoryRegion::new(
+        &pd,
+        cfg.region_len as usize,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+    )?;
+    let remote = region.remote();
+    let own = Hello {
+        ring_slots: cfg.ring_slots,
+        slot_size: cfg.slot_size,
+        region_addr: remote.addr,
+        region_rkey: remote.rkey,
+        region_len: cfg.region_len,
+    };
+    // Receives are posted only once the QP and the ring are in one `Wired`:
+    // if a post fails, dropping `half` destroys the QP before the ring.
+    let mut half = Half {
+        wired: Wired { qp, recv, region },
+        cq,
+        cc,
+        pd,
+        own,
+    };
+    let wired = &mut half.wired;
+    for i in 0..cfg.ring_slots {
+        let start = i as usize * slot;
+        // SAFETY: `recv` and the QP live in the same `Wired`, whose field
+        // order destroys the QP first (then in `Shared`, likewise); slots
+        // are read only after their receive completed and reposted only
+        // once released.
+        unsafe {
+            wired
+                .qp
+                .post_recv(WorkKind::Recv.wr_id(i), &wired.recv, start..start + slot)?
+        };
+    }
+    Ok(half)
+}
+
+fn finish(
+    id: CmId,
+    half: Half,
+    peer: Hello,
+    peer_addr: String,
+) -> Result<Established, crate::verbs::Error> {
+    let send = MemoryRegion::new(
+        &half.pd,
+        (peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) as usize * peer.slot_size as usize,
+        Access::LOCAL_WRITE,
+    )?;
+    let staging = MemoryRegion::new(&half.pd, peer.region_len as usize, Access::LOCAL_WRITE)?;
+    Ok(Established {
+        wired: half.wired,
+        send,
+        staging,
+        cq: half.cq,
+        cc: half.cc,
+        id,
+        own: half.own,
+        peer,
+        peer_addr,
+    })
+}
+
+/// Client side, blocking: resolve, create, connect, exchange hellos.
+pub(crate) fn connect_blocking(
+    addr: SocketAddr,
+    cfg: &RdmaTransport,
+) -> Result<Established, TransportError> {
+    let ctx = format!("connect to rdma://{addr}");
+    let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
+    let channel = EventChannel::new().map_err(e)?;
+    let mut id = CmId::new(&channel).map_err(e)?;
+    id.resolve(addr, cfg.connect_timeout).map_err(e)?;
+    let half = make_half(&mut id, cfg).map_err(e)?;
+    let reply = id
+        .connect(&half.own.to_bytes(), cfg.connect_timeout)
+        .map_err(e)?;
+    let peer = Hello::decode(&reply, &cfg.hello_limits()).map_err(|p| {
+        let _ = id.disconnect();
+        TransportError::Protocol(format!("{ctx}: {p}"))
+    })?;
+    finish(id, half, peer, format!("rdma://{addr}")).map_err(e)
+}
+
+/// Server side, blocking: move the request's id to its own channel,
+/// validate the client's hello, create, accept.
+pub(crate) fn accept_blocking(
+    mut id: CmId,
+    private_data: Vec<u8>,
+    cfg: &RdmaTransport,
+) -> Result<Established, TransportError> {
+    let peer_addr = id
+        .peer_addr()
+        .map_or_else(|| "rdma://?".to_string(), |a| format!("rdma://{a}"));
+    let ctx = format!("accept from {peer_addr}");
+    let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
+    let channel = EventChannel::new().map_err(e)?;
+    id.migrate(&channel).map_err(e)?;
+    let peer = match Hello::decode(&private_data, &cfg.hello_limits()) {
+        Ok(peer) => peer,
+        Err(p) => {
+            let _ = id.reject(&[]);
+            return Err(TransportError::Protocol(format!("{ctx}: {p}")));
+        }
+    };
+    let half = make_half(&mut id, cfg).map_err(e)?;
+    let mut est = finish(id, half, peer, peer_addr).map_err(e)?;
+    let own = est.own.to_bytes();
+    est.id.accept(&own, cfg.connect_timeout).map_err(e)?;
+    Ok(est)
+}
+
+impl Established {
+    /// Where the connection sits on its device (what async events name).
+    pub(super) fn placement(&self) -> Result<Placement, crate::verbs::Error> {
+        Placement::of(&self.id, &self.wired.qp, &self.cq)
+    }
+
+    /// Moves the connection's objects into its shared state (the QP into
+    /// the state, the memory after it: see [`Shared`]); returns what the
+    /// driver registers with tokio. Infallible, so nothing is dropped
+    /// half-moved.
+    pub(super) fn into_shared(
+        self,
+        limits: FrameLimits,
+        cfg: &RdmaTransport,
+    ) -> (Arc<Shared>, CmId, CompletionChannel) {
+        let Established {
+            wired: Wired { qp, recv, region },
+            send,
+            staging,
+            cq,
+            cc,
+            id,
+            own,
+            peer,
+            peer_addr,
+        } = self;
+        let inline_max = cfg
+            .inline_threshold
+            .min(peer.slot_size as usize - HEADER_LEN);
+        let state = State {
+            qp,
+            proto: proto::Connection::new(proto::Config {
+                ring_slots: own.ring_slots,
+                slot_size: own.slot_size as usize,
+                region_len: own.region_len.into(),
+                peer_ring_slots: peer.ring_slots,
+                peer_region_len: peer.region_len.into(),
+                inline_max,
+                max_frame_len: limits.max_frame_len,
+                max_skip_len: limits.max_skip_len(),
+                prefix_len: OVERSIZED_PREFIX_LEN,
+            }),
+            send_waiters: Vec::new(),
+            recv_waker: None,
+            max_frame_len: limits.max_frame_len,
+            handles: 2,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            mem: Buffers {
+                recv,
+                region,
+                send,
+                staging,
+                slot_size: own.slot_size as usize,
+                ring_slots: own.ring_slots,
+                peer_slot_size: peer.slot_size as usize,
+                peer_region: RemoteRegion {
+                    addr: peer.region_addr,
+                    rkey: peer.region_rkey,
+                    len: peer.region_len.into(),
+                },
+            },
+            cq,
+            released: Mutex::new(Vec::new()),
+            wake_task: Notify::new(),
+            peer: peer_addr,
+        });
+        (shared, id, cc)
+    }
+}

@@ -1,0 +1,279 @@
+//! The connection's memory and queue pair under its mutex, carrying out
+//! what the protocol ([`proto::Connection`]) decides: posting its work
+//! requests, feeding it completions, waking the halves.
+
+use std::io;
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
+use std::task::{Context, Waker};
+
+use rpc_core::transport::TransportError;
+use tokio::sync::Notify;
+
+use crate::proto::{self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN};
+use crate::registry::LiveConnection;
+use crate::verbs::{CompletionQueue, MemoryRegion, QueuePair, RemoteRegion, WorkCompletion};
+
+pub(super) struct Buffers {
+    pub(super) recv: MemoryRegion,
+    pub(super) region: MemoryRegion,
+    pub(super) send: MemoryRegion,
+    pub(super) staging: MemoryRegion,
+    pub(super) slot_size: usize,
+    pub(super) ring_slots: u32,
+    pub(super) peer_slot_size: usize,
+    pub(super) peer_region: RemoteRegion,
+}
+
+// SAFETY: `recv`, `send` and `staging` are only accessed through their
+// `unsafe` `slice`/`slice_mut`, and each byte range is owned by exactly one
+// party at a time, as the protocol state (under the connection's mutex)
+// records: the device while posted, the state while being encoded or
+// handled, or one `SlotGuard` while the application holds a received frame.
+// `region` (remotely writable) is only read, by raw copies under the
+// connection's mutex, of chunks the peer's protocol has finished writing (a
+// peer that writes anyway changes only the bytes we copy, never memory a
+// Rust reference covers). So sharing `&Buffers` between threads races on
+// nothing.
+unsafe impl Sync for Buffers {}
+
+impl Buffers {
+    pub(super) fn recv_slot(&self, slot: u32) -> Range<usize> {
+        let start = slot as usize * self.slot_size;
+        start..start + self.slot_size
+    }
+
+    pub(super) fn send_slot(&self, slot: u32) -> Range<usize> {
+        let start = slot as usize * self.peer_slot_size;
+        start..start + self.peer_slot_size
+    }
+}
+
+/// The connection's state, under its mutex: the queue pair (posting needs
+/// `&mut`) and the protocol that decides what is posted.
+pub(super) struct State {
+    pub(super) qp: QueuePair,
+    pub(super) proto: proto::Connection,
+    pub(super) send_waiters: Vec<Waker>,
+    pub(super) recv_waker: Option<Waker>,
+    pub(super) max_frame_len: usize,
+    pub(super) handles: u32,
+}
+
+pub(super) struct Shared {
+    // Declared before `cq` and `mem`: the QP inside is destroyed first.
+    pub(super) state: Mutex<State>,
+    pub(super) cq: CompletionQueue,
+    pub(super) mem: Buffers,
+    pub(super) released: Mutex<Vec<u32>>,
+    pub(super) wake_task: Notify,
+    pub(super) peer: String,
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The verbs layer reads received bytes for the protocol by raw copies.
+impl ReadReceived for Buffers {
+    fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
+        self.recv
+            .read_into(self.recv_slot(slot).start + offset, dst);
+    }
+
+    fn read_region(&self, offset: usize, dst: &mut [u8]) {
+        self.region.read_into(offset, dst);
+    }
+}
+
+pub(super) fn connection_error(reason: &str) -> TransportError {
+    TransportError::io(
+        "RDMA connection",
+        io::Error::new(io::ErrorKind::ConnectionReset, reason.to_string()),
+    )
+}
+
+pub(super) fn refusal_error(refusal: Refusal) -> TransportError {
+    match refusal {
+        Refusal::Failed(reason) => connection_error(&reason),
+        Refusal::Closed => TransportError::Closed,
+        Refusal::TooLong(len) => TransportError::Protocol(format!(
+            "frame of {len} bytes is too long for the RDMA transport"
+        )),
+    }
+}
+
+impl State {
+    /// Wakes whom the protocol's last decisions concern.
+    pub(super) fn wake(&mut self) {
+        let wake = self.proto.take_wakeups();
+        if wake.senders {
+            for w in self.send_waiters.drain(..) {
+                w.wake();
+            }
+        }
+        if wake.receiver {
+            if let Some(w) = self.recv_waker.take() {
+                w.wake();
+            }
+        }
+    }
+
+    pub(super) fn fail(&mut self, reason: String) {
+        self.proto.fail(reason);
+        self.wake();
+    }
+
+    pub(super) fn wait_send(&mut self, cx: &Context<'_>) {
+        if !self.send_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            self.send_waiters.push(cx.waker().clone());
+        }
+    }
+
+    /// Posts every work request the protocol decided, in order; then wakes.
+    pub(super) fn flush(&mut self, mem: &Buffers) {
+        while let Some(transmit) = self.proto.poll_transmit() {
+            if let Err(e) = self.post(mem, transmit) {
+                self.proto.fail(format!("posting to the queue pair: {e}"));
+                break;
+            }
+        }
+        self.wake();
+    }
+
+    fn post(&mut self, mem: &Buffers, transmit: Transmit) -> Result<(), crate::verbs::Error> {
+        match transmit {
+            Transmit::Recv { slot } => {
+                // SAFETY: the protocol reposts a slot only once its message
+                // was handled and nothing refers to its bytes any more (its
+                // guard, if any, was dropped); the memory outlives the QP
+                // (see `Shared`).
+                unsafe {
+                    self.qp
+                        .post_recv(WorkKind::Recv.wr_id(slot), &mem.recv, mem.recv_slot(slot))
+                }
+            }
+            Transmit::Write {
+                offset, len, data, ..
+            } => {
+                if let Some(data) = data {
+                    // The chunk's staging bytes were just allocated to it:
+                    // no posted WRITE reads them (the peer freed them, so
+                    // earlier WRITEs landed) and no slice covers them.
+                    mem.staging.write_at(offset, &data);
+                }
+                // SAFETY: `staging[offset..offset + len]` holds this chunk,
+                // allocated to it until the peer reports it freed (after the
+                // WRITE landed); the memory outlives the QP.
+                unsafe {
+                    self.qp.post_write(
+                        WorkKind::Write.wr_id(0),
+                        &mem.staging,
+                        offset..offset + len,
+                        mem.peer_region,
+                        offset as u64,
+                    )
+                }
+            }
+            Transmit::Send {
+                kind,
+                slot,
+                header,
+                body_len,
+            } => {
+                let start = mem.send_slot(slot).start;
+                // SAFETY: the slot is owned by this message (the protocol
+                // gave it out and takes it back at the send's completion):
+                // not posted, no other slice; the header is inside it.
+                let dst = unsafe { mem.send.slice_mut(start..start + HEADER_LEN) };
+                header.encode(dst.try_into().expect("HEADER_LEN bytes"));
+                // SAFETY: the slot stays untouched until its send completion
+                // frees it; the memory outlives the QP.
+                unsafe {
+                    self.qp.post_send(
+                        kind.wr_id(slot),
+                        &mem.send,
+                        start..start + HEADER_LEN + body_len,
+                    )
+                }
+            }
+        }
+    }
+
+    /// Handles every completion waiting in the CQ, then posts what they
+    /// allow; returns how many. Polled under the state lock, so completions
+    /// are handled in the device's order whoever polls (the driver, or a
+    /// receiver looking for its next frame).
+    pub(super) fn drain_cq(&mut self, cq: &CompletionQueue, mem: &Buffers) -> usize {
+        let mut batch = [WorkCompletion::default(); 32];
+        let mut total = 0;
+        loop {
+            let n = match cq.poll_batch(&mut batch) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.fail(format!("polling the completion queue: {e}"));
+                    return total;
+                }
+            };
+            total += n;
+            for wc in &batch[..n] {
+                self.on_completion(mem, wc);
+            }
+            if n < batch.len() {
+                if total > 0 {
+                    self.flush(mem);
+                }
+                return total;
+            }
+        }
+    }
+
+    /// Feeds one completion to the protocol, with a receive's header copied
+    /// out of its slot.
+    fn on_completion(&mut self, mem: &Buffers, wc: &WorkCompletion) {
+        let failure = (!wc.is_ok()).then(|| format!("{} (status {})", wc.status_name(), wc.status));
+        let mut header = [0; HEADER_LEN];
+        let mut header_len = 0;
+        if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
+            if failure.is_none() && slot < mem.ring_slots {
+                header_len = (wc.byte_len as usize).min(HEADER_LEN);
+                // A raw copy out of the slot whose receive completed: the
+                // device no longer writes it.
+                mem.read_slot(slot, 0, &mut header[..header_len]);
+            }
+        }
+        self.proto.handle_completion(Completion {
+            wr_id: wc.wr_id,
+            failure: failure.as_deref(),
+            byte_len: wc.byte_len as usize,
+            header: &header[..header_len],
+        });
+    }
+}
+
+impl LiveConnection for Shared {
+    fn fail_from_device(&self, reason: &str) -> bool {
+        let mut st = self.lock();
+        let newly = st.proto.failure().is_none();
+        if newly {
+            st.fail(reason.to_string());
+        }
+        drop(st);
+        // The driver disconnects and ends.
+        self.wake_task.notify_one();
+        newly
+    }
+
+    fn summary(&self) -> String {
+        let st = self.lock();
+        format!(
+            "{}: {} | handles {} released {}",
+            self.peer,
+            st.proto.summary(),
+            st.handles,
+            self.released.lock().map(|r| r.len()).unwrap_or(0),
+        )
+    }
+}
