@@ -1050,6 +1050,12 @@ async fn with_deadline<T>(
 ) -> Result<T, Status> {
     match deadline {
         None => call.await,
+        // A timeout of zero (or a deadline already past) fails at once, as
+        // in gRPC, without connecting or sending anything: `timeout_at` would
+        // poll the call once first, and that poll may send the request.
+        Some(deadline) if deadline <= Instant::now() => Err(Status::deadline_exceeded(
+            "deadline exceeded before the request was sent (timeout of zero)",
+        )),
         Some(deadline) => tokio::time::timeout_at(deadline, call)
             .await
             .unwrap_or_else(|_| {

@@ -90,7 +90,7 @@ pub use client::{
 pub use codec::{BytesCodec, Codec, ProstCodec};
 pub use message::{IntoRequest, IntoStreamingRequest, Request, Response, Streaming};
 pub use metadata::MetadataMap;
-pub use server::{BoundServer, ServeError, Server, ServerBuilder};
+pub use server::{BoundServer, ServeError, Server, ServerBuilder, DEFAULT_MAX_CONCURRENT_CALLS};
 pub use status::{Code, Status};
 
 /// Includes the code `rpc-codegen` generated for a protobuf package.
