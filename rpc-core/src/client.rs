@@ -840,7 +840,12 @@ impl Client {
         decode: fn(Bytes) -> Result<T, Status>,
     ) -> Streaming<T> {
         let config = self.channel.config();
-        let window = RecvWindow::new(Arc::clone(&call.conn.sink), call.id, config.stream_window);
+        let window = RecvWindow::new(
+            Arc::clone(&call.conn.sink),
+            call.id,
+            config.stream_window,
+            None,
+        );
         Streaming::new(
             StreamingParts {
                 first: None,

@@ -152,6 +152,10 @@ impl ServerBuilder {
     }
 
     /// Bytes a client may send on one request stream ahead of the handler (default 8 MiB).
+    /// Enforced: a message the client starts beyond the window granted so far
+    /// fails that call with `ResourceExhausted` (the connection goes on, as
+    /// HTTP/2 treats a stream's flow-control error), so a call's queue of
+    /// unread request messages holds at most this plus one message.
     pub fn stream_window(mut self, bytes: u32) -> ServerBuilder {
         self.stream_window = bytes.max(INITIAL_STREAM_WINDOW);
         self
@@ -376,7 +380,11 @@ impl Drop for FinalInFlight<'_> {
 
 struct CallSlot {
     /// Where the reader delivers the client's stream; `None` once it ended.
+    /// Unbounded, but what it holds is bounded by the window the server
+    /// granted (checked against `received`) plus one message.
     inbound: Option<mpsc::UnboundedSender<Inbound>>,
+    /// Bytes of request-stream messages received, held to the window granted.
+    received: u64,
     window: Arc<SendWindow>,
     task: Option<AbortHandle>,
 }
@@ -528,10 +536,34 @@ impl ServerConn {
                 let Some(slot) = calls.get_mut(&id) else {
                     return Ok(()); // the call already ended: its late messages are dropped
                 };
-                let Some(inbound) = &slot.inbound else {
+                if slot.inbound.is_none() {
                     return Err(format!(
                         "message after the end of call {id:#x}'s request stream"
                     ));
+                }
+                // The client may start a message while its window is
+                // positive: one that starts beyond what was granted ignores
+                // flow control, and would make this queue grow without bound.
+                // (A frame that only ends the stream carries no message.)
+                let granted = slot.window.granted_to_peer();
+                if frame.payload.is_some() && slot.received >= granted {
+                    let received = slot.received;
+                    drop(calls);
+                    if let Some(slot) = self.end_call(id) {
+                        if let Some(task) = slot.task {
+                            task.abort();
+                        }
+                    }
+                    let status = Status::resource_exhausted(format!(
+                        "the client sent {received} bytes on the request stream and more, \
+                         beyond the {granted}-byte window the server granted (flow control ignored)"
+                    ));
+                    backlog.refuse(&*self.sink, id, status);
+                    return Ok(());
+                }
+                slot.received += frame.payload.as_ref().map_or(0, |p| p.len() as u64);
+                let Some(inbound) = &slot.inbound else {
+                    unreachable!("checked above");
                 };
                 if let Some(payload) = frame.payload {
                     let _ = inbound.send(Inbound::Message(payload));
@@ -682,6 +714,7 @@ impl ServerConn {
             id,
             CallSlot {
                 inbound: inbound_tx,
+                received: 0,
                 window: Arc::clone(&window),
                 task: None,
             },
@@ -939,10 +972,14 @@ impl ServerCall {
     /// The request stream of a client-streaming or bidi call.
     fn request_stream<C: Codec>(&mut self) -> Request<Streaming<C::Decode>> {
         let routes = &self.conn.routes;
-        let window = self
-            .inbound
-            .is_some()
-            .then(|| RecvWindow::new(Arc::clone(&self.conn.sink), self.id, routes.stream_window));
+        let window = self.inbound.is_some().then(|| {
+            RecvWindow::new(
+                Arc::clone(&self.conn.sink),
+                self.id,
+                routes.stream_window,
+                Some(Arc::clone(&self.window)),
+            )
+        });
         let stream = Streaming::new(
             StreamingParts {
                 first: self.first.take(),

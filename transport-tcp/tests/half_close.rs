@@ -1,6 +1,7 @@
 //! A raw client's requests, frame by frame: a client that shuts down its
-//! sending side right after its request still gets the reply, and a request
-//! with a timeout of zero is answered `DeadlineExceeded` without running.
+//! sending side right after its request still gets the reply, a request
+//! with a timeout of zero is answered `DeadlineExceeded` without running, and
+//! a request stream that ignores the server's window is cut off.
 
 #[path = "../../rpc-core/tests/support/mod.rs"]
 mod support;
@@ -16,11 +17,24 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 async fn start() -> (TestServer, TcpStream) {
+    start_with(|b| b).await
+}
+
+async fn start_with(
+    configure: impl FnOnce(rpc_core::ServerBuilder) -> rpc_core::ServerBuilder,
+) -> (TestServer, TcpStream) {
     transport_tcp::install();
-    let server = TestServer::start("tcp://127.0.0.1:0", |b| b).await;
+    let server = TestServer::start("tcp://127.0.0.1:0", configure).await;
     let authority = server.address.strip_prefix("tcp://").unwrap();
     let raw = TcpStream::connect(authority).await.unwrap();
     (server, raw)
+}
+
+async fn write_frame(raw: &mut TcpStream, frame: &OutFrame<'_>) {
+    let frame = frame.to_bytes();
+    let mut bytes = (frame.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&frame);
+    raw.write_all(&bytes).await.unwrap();
 }
 
 /// Writes one complete request (`end_stream`) for `method`, as the TCP transport frames it.
@@ -116,6 +130,37 @@ async fn a_request_with_a_timeout_of_zero_is_answered_without_running() {
         server.probes.sleeping.load(Ordering::SeqCst),
         0,
         "the handler ran"
+    );
+    drop(raw);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_stream_beyond_the_granted_window_fails_its_call() {
+    const WINDOW: u32 = 64 * 1024; // the protocol's initial window: no grant until the handler reads
+    let (server, mut raw) = start_with(|b| b.stream_window(WINDOW)).await;
+    let metadata = MetadataMap::new();
+    let body = OutBody::Request {
+        method: "/test.Test/Hold", // reads nothing for 400 ms
+        timeout: None,
+        metadata: &metadata,
+    };
+    write_frame(&mut raw, &OutFrame::new(1, body, None, false).unwrap()).await;
+    let message = Bytes::from(vec![1u8; 16 * 1024]);
+    for _ in 0..64 {
+        // 1 MiB in all, sixteen times the window, without waiting for grants.
+        write_frame(
+            &mut raw,
+            &OutFrame::control(1, OutBody::Message, false).with_payload(&message),
+        )
+        .await;
+    }
+    write_frame(&mut raw, &OutFrame::control(1, OutBody::Message, true)).await;
+    let (status, _) = final_status(&mut raw, 1).await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    assert!(
+        status.message().contains(&format!("{WINDOW}-byte window")),
+        "{status}"
     );
     drop(raw);
     server.stop().await;
