@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::codec::{Codec, Encodable};
-use crate::flow::SendWindow;
+use crate::flow::{SendWindow, DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
 use crate::frame::{
     peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame, HEAD_LEN,
     MAX_HEADER_LEN,
@@ -35,12 +35,6 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
 
 /// The largest message size the wire format can carry.
 pub const MAX_MESSAGE_SIZE_LIMIT: usize = u32::MAX as usize;
-
-/// Window every stream starts with, before the receiver grants its configured window.
-pub(crate) const INITIAL_STREAM_WINDOW: u32 = 64 * 1024;
-
-/// Default per-stream receive window.
-pub const DEFAULT_STREAM_WINDOW: u32 = 8 * 1024 * 1024;
 
 pub(crate) fn frame_limits(max_message_size: usize) -> FrameLimits {
     FrameLimits {

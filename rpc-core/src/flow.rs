@@ -12,6 +12,12 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
 
+/// Window every stream starts with, before the receiver grants its configured window.
+pub(crate) const INITIAL_STREAM_WINDOW: u32 = 64 * 1024;
+
+/// Default per-stream receive window.
+pub const DEFAULT_STREAM_WINDOW: u32 = 8 * 1024 * 1024;
+
 /// Bytes a stream's sender may still send. One sender, many granters.
 ///
 /// It also records what this side granted the peer on the call's other

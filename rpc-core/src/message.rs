@@ -10,8 +10,7 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 
-use crate::client::INITIAL_STREAM_WINDOW;
-use crate::flow::SendWindow;
+use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{OutBody, OutFrame};
 use crate::metadata::MetadataMap;
 use crate::status::Status;

@@ -18,11 +18,10 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::client::{
-    frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_STREAM_WINDOW,
-    INITIAL_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT,
+    frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE_LIMIT,
 };
 use crate::codec::{Codec, Encodable};
-use crate::flow::SendWindow;
+use crate::flow::{SendWindow, DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
 use crate::keepalive::{Keepalive, KeepaliveTimer, Tick, DEFAULT_KEEPALIVE};
 use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
