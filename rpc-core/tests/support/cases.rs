@@ -341,6 +341,18 @@ pub async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    // The refusal quotes the limit that applied, and calls a length the
+    // message's only if it is (a transport that skipped the frame knows the frame's).
+    let reason = status.message();
+    assert!(
+        reason.contains("maximum message size of 1048576 bytes"),
+        "{status}"
+    );
+    assert!(
+        !reason.contains("request message of")
+            || reason.contains(&format!("request message of {} bytes", 2 << 20)),
+        "a frame's length reported as the message's: {status}"
+    );
     // A response over the client's limit.
     let small = Client::new(
         Endpoint::new(&server.address)
