@@ -165,3 +165,29 @@ async fn a_request_stream_beyond_the_granted_window_fails_its_call() {
     drop(raw);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn half_closing_inside_a_request_stream_fails_that_call_with_a_reason() {
+    let (server, mut raw) = start().await;
+    let metadata = MetadataMap::new();
+    let body = OutBody::Request {
+        method: "/test.Test/Sum", // reads its stream to the end
+        timeout: None,
+        metadata: &metadata,
+    };
+    let first = Bytes::from_static(b"one message, no end of stream");
+    write_frame(
+        &mut raw,
+        &OutFrame::new(1, body, Some(&first), false).unwrap(),
+    )
+    .await;
+    raw.shutdown().await.unwrap();
+    // The stream can never end now: the handler is told so rather than left waiting.
+    let (status, _) = final_status(&mut raw, 1).await;
+    assert_eq!(status.code(), Code::Cancelled, "{status}");
+    assert!(
+        status.message().contains("closed its sending side"),
+        "{status}"
+    );
+    server.stop().await;
+}
