@@ -606,3 +606,91 @@ pub(super) async fn serve_connection(
     }
     tracing::debug!(peer = %conn.peer, "connection closed");
 }
+
+#[cfg(test)]
+mod tests {
+    use std::task::Context;
+
+    use super::*;
+    use crate::keepalive::Keepalive;
+
+    /// A client that reads nothing: its connection never has room.
+    struct FullSink;
+
+    impl FrameSink for FullSink {
+        fn poll_send(
+            &self,
+            _cx: &mut Context<'_>,
+            _frame: &OutFrame<'_>,
+        ) -> Poll<Result<(), TransportError>> {
+            Poll::Pending
+        }
+
+        fn close(&self) {}
+    }
+
+    /// Delivers its frames, counting those taken, then nothing (silent, not closed).
+    struct QueuedFrames(VecDeque<Bytes>, Arc<AtomicUsize>);
+
+    impl FrameSource for QueuedFrames {
+        fn poll_recv(
+            &mut self,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Result<Option<Bytes>, TransportError>> {
+            match self.0.pop_front() {
+                Some(frame) => {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                    Poll::Ready(Ok(Some(frame)))
+                }
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// The reader never waits for the sink: a refusal with no room waits in
+    /// the backlog, the reader takes no more frames meanwhile, and keepalive
+    /// still declares the silent client dead.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_nothing_is_not_read_from_and_keepalive_still_closes_it() {
+        let metadata = MetadataMap::new();
+        let request = |id| {
+            let body = OutBody::Request {
+                method: "/no.Such/Method", // refused by the reader itself
+                timeout: None,
+                metadata: &metadata,
+            };
+            OutFrame::new(id, body, None, true).unwrap().to_bytes()
+        };
+        let taken = Arc::new(AtomicUsize::new(0));
+        let connection = Connection {
+            sink: Arc::new(FullSink),
+            source: Box::new(QueuedFrames(
+                (1..=10).map(request).collect(),
+                Arc::clone(&taken),
+            )),
+            peer: "test".into(),
+        };
+        let routes = Arc::new(Routes {
+            services: HashMap::new(),
+            max_message_size: 1 << 20,
+            stream_window: INITIAL_STREAM_WINDOW,
+            keepalive: Some(Keepalive {
+                interval: Duration::from_secs(1),
+                timeout: Duration::from_secs(1),
+            }),
+            max_concurrent_calls: Some(1),
+        });
+        let (_shutdown_tx, shutdown) = watch::channel(false);
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            serve_connection(routes, connection, shutdown),
+        )
+        .await
+        .expect("keepalive closed the connection while a refusal waited for room");
+        assert_eq!(
+            taken.load(Ordering::SeqCst),
+            1,
+            "the reader took more frames while its refusal waited for room"
+        );
+    }
+}
