@@ -1,4 +1,6 @@
-//! Per-stream flow control, sender side: bytes the peer has granted.
+//! Per-stream flow control: bytes the peer has granted this side
+//! ([`SendWindow`]), and bytes this side has granted the peer, which the
+//! connection reader holds the peer's sends to.
 //!
 //! The receiver starts each stream with a window of `stream_window` bytes and
 //! grants more as its application consumes messages (see `RecvWindow`). A
@@ -6,16 +8,27 @@
 //! larger than the whole window still goes through, alone; what a receiver
 //! buffers per stream is thus bounded by window + one maximum message.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
 
+/// Window every stream starts with, before the receiver grants its configured window.
+pub(crate) const INITIAL_STREAM_WINDOW: u32 = 64 * 1024;
+
+/// Default per-stream receive window.
+pub const DEFAULT_STREAM_WINDOW: u32 = 8 * 1024 * 1024;
+
 /// Bytes a stream's sender may still send. One sender, many granters.
+///
+/// It also records what this side granted the peer on the call's other
+/// stream (`granted_to_peer`), so that the reader, which sees the peer's
+/// messages, can check them against it without a second allocation per call.
 #[derive(Debug)]
 pub(crate) struct SendWindow {
     available: AtomicI64,
     closed: AtomicBool,
     changed: Notify,
+    granted_to_peer: AtomicU64,
 }
 
 /// The call ended while a sender waited for window.
@@ -28,7 +41,21 @@ impl SendWindow {
             available: AtomicI64::new(initial.into()),
             closed: AtomicBool::new(false),
             changed: Notify::new(),
+            // Both directions of a stream start at the same initial window.
+            granted_to_peer: AtomicU64::new(initial.into()),
         }
+    }
+
+    /// This side decided to grant the peer `bytes` more (recorded before the
+    /// grant is sent, so a peer using it at once is never judged over).
+    pub(crate) fn record_grant_to_peer(&self, bytes: u32) {
+        self.granted_to_peer
+            .fetch_add(bytes.into(), Ordering::AcqRel);
+    }
+
+    /// Bytes granted to the peer so far, the protocol's initial window included.
+    pub(crate) fn granted_to_peer(&self) -> u64 {
+        self.granted_to_peer.load(Ordering::Acquire)
     }
 
     /// Waits until the window is positive, then takes `len` bytes of it.

@@ -85,12 +85,13 @@ mod status;
 
 pub use client::{
     AddressError, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE,
-    DEFAULT_STREAM_WINDOW, MAX_MESSAGE_SIZE_LIMIT,
+    MAX_MESSAGE_SIZE_LIMIT,
 };
 pub use codec::{BytesCodec, Codec, ProstCodec};
+pub use flow::DEFAULT_STREAM_WINDOW;
 pub use message::{IntoRequest, IntoStreamingRequest, Request, Response, Streaming};
 pub use metadata::MetadataMap;
-pub use server::{BoundServer, ServeError, Server, ServerBuilder};
+pub use server::{BoundServer, ServeError, Server, ServerBuilder, DEFAULT_MAX_CONCURRENT_CALLS};
 pub use status::{Code, Status};
 
 /// Includes the code `rpc-codegen` generated for a protobuf package.

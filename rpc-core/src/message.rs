@@ -10,7 +10,7 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 
-use crate::client::INITIAL_STREAM_WINDOW;
+use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{OutBody, OutFrame};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -212,18 +212,30 @@ pub(crate) struct RecvWindow {
     threshold: u32,
     /// A grant to send before reading on (the sink had no room).
     pending_grant: u32,
+    /// Where grants are recorded for the reader's check of the peer (server side).
+    record: Option<Arc<SendWindow>>,
 }
 
 impl RecvWindow {
     /// A window of `window` bytes: every stream starts at the protocol's
     /// initial window, so the first read grants the difference.
-    pub(crate) fn new(sink: Arc<dyn FrameSink>, call_id: u64, window: u32) -> RecvWindow {
+    pub(crate) fn new(
+        sink: Arc<dyn FrameSink>,
+        call_id: u64,
+        window: u32,
+        record: Option<Arc<SendWindow>>,
+    ) -> RecvWindow {
+        let pending_grant = window.saturating_sub(INITIAL_STREAM_WINDOW);
+        if let Some(record) = &record {
+            record.record_grant_to_peer(pending_grant);
+        }
         RecvWindow {
             sink,
             call_id,
             consumed: 0,
             threshold: (window / 2).max(1),
-            pending_grant: window.saturating_sub(INITIAL_STREAM_WINDOW),
+            pending_grant,
+            record,
         }
     }
 
@@ -233,6 +245,9 @@ impl RecvWindow {
             .saturating_add(len.min(u32::MAX as usize) as u32);
         if self.consumed >= self.threshold {
             self.pending_grant = self.pending_grant.saturating_add(self.consumed);
+            if let Some(record) = &self.record {
+                record.record_grant_to_peer(self.consumed);
+            }
             self.consumed = 0;
         }
     }

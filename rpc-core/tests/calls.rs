@@ -36,6 +36,7 @@ on_every_transport!(
     bidi_streaming_answers_each_message,
     thousands_of_concurrent_calls_on_one_channel_none_mixed_up,
     deadline_fails_the_call_and_cancels_the_handler,
+    zero_timeout_fails_at_once_without_sending,
     dropping_the_call_cancels_the_handler,
     unknown_service_and_method_are_unimplemented,
     panicking_handler_fails_only_its_call,

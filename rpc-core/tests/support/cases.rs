@@ -141,7 +141,9 @@ pub async fn thousands_of_concurrent_calls_on_one_channel_none_mixed_up(
     listen: String,
     profile: &Profile,
 ) {
-    let server = TestServer::start(&listen, |b| b).await;
+    // More calls at once than the server's default per-connection limit:
+    // this case is about the call table, not admission.
+    let server = TestServer::start(&listen, |b| b.max_concurrent_calls(usize::MAX)).await;
     let client = client_for(&server).await;
     let calls = (0..profile.concurrent_calls).map(|i| {
         let client = client.clone();
@@ -199,6 +201,57 @@ pub async fn deadline_fails_the_call_and_cancels_the_handler(listen: String, _pr
         )
         .await
         .unwrap();
+    server.stop().await;
+}
+
+pub async fn zero_timeout_fails_at_once_without_sending(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let mut request = Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec()));
+    request.set_timeout(Duration::ZERO);
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Sleep", request)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
+    assert!(
+        status.message().contains("before the request was sent"),
+        "the client sent the request: {status}"
+    );
+    // An endpoint timeout of zero applies to calls that set none.
+    let zero = Client::new(
+        Endpoint::new(&server.address)
+            .unwrap()
+            .timeout(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let status = zero
+        .unary::<BytesCodec>(
+            "/test.Test/Sleep",
+            Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
+    // Frames on a connection are handled in order: had the Sleep requests
+    // gone out, their handlers would have been started before this echo's.
+    client
+        .unary::<BytesCodec>(
+            "/test.Test/Echo",
+            Request::new(Bytes::from_static(b"after")),
+        )
+        .await
+        .unwrap();
+    zero.unary::<BytesCodec>("/test.Test/Echo", {
+        let mut request = Request::new(Bytes::from_static(b"after"));
+        request.set_timeout(Duration::from_secs(5));
+        request
+    })
+    .await
+    .unwrap();
+    assert_eq!(server.probes.sleeping.load(Ordering::SeqCst), 0);
     server.stop().await;
 }
 
@@ -288,6 +341,18 @@ pub async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    // The refusal quotes the limit that applied, and calls a length the
+    // message's only if it is (a transport that skipped the frame knows the frame's).
+    let reason = status.message();
+    assert!(
+        reason.contains("maximum message size of 1048576 bytes"),
+        "{status}"
+    );
+    assert!(
+        !reason.contains("request message of")
+            || reason.contains(&format!("request message of {} bytes", 2 << 20)),
+        "a frame's length reported as the message's: {status}"
+    );
     // A response over the client's limit.
     let small = Client::new(
         Endpoint::new(&server.address)

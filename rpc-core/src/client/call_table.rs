@@ -1,0 +1,399 @@
+//! One connection's client state ([`ClientConn`]): the table of open calls and the reader that fills it.
+
+use std::sync::{Arc, Mutex};
+use std::task::Context;
+
+use bytes::Bytes;
+use slab::Slab;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::flow::SendWindow;
+use crate::frame::{peek_head, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::keepalive::{Keepalive, KeepaliveTimer, Tick};
+use crate::message::Inbound;
+use crate::metadata::MetadataMap;
+use crate::status::Status;
+use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
+
+use super::endpoint::ChannelConfig;
+
+/// One connection's client state: the table of open calls and its reader.
+pub(crate) struct ClientConn {
+    pub(super) sink: Arc<dyn FrameSink>,
+    pub(super) peer: String,
+    pub(super) max_message_size: usize,
+    pub(super) calls: Mutex<CallTable>,
+}
+
+pub(super) struct CallTable {
+    pub(super) slots: Slab<CallSlot>,
+    pub(super) generation: u32,
+    pub(super) phase: Phase,
+}
+
+pub(super) enum Phase {
+    Open,
+    /// The server sent GoAway: calls in flight finish, new ones go elsewhere.
+    Draining,
+    Closed(Status),
+}
+
+pub(super) struct CallSlot {
+    pub(super) generation: u32,
+    pub(super) inbox: Inbox,
+    pub(super) window: Option<Arc<SendWindow>>,
+}
+
+/// What a call with a single response message (unary, client-streaming)
+/// receives: the message and the trailers, or why it failed.
+pub(super) type SingleResponse = Result<(Bytes, MetadataMap), Status>;
+
+/// Where the reader delivers what the server sends on one call.
+pub(super) enum Inbox {
+    /// A response stream: every message and the status, through a channel.
+    Stream(mpsc::UnboundedSender<Inbound>),
+    /// A single response: the message waits here for the status, and the
+    /// outcome goes to the caller once (no channel per call to allocate).
+    Single {
+        message: Option<Bytes>,
+        /// `None` once the outcome is sent.
+        tx: Option<oneshot::Sender<SingleResponse>>,
+    },
+}
+
+impl Inbox {
+    pub(super) fn single(tx: oneshot::Sender<SingleResponse>) -> Inbox {
+        Inbox::Single {
+            message: None,
+            tx: Some(tx),
+        }
+    }
+
+    pub(super) fn message(&mut self, payload: Bytes) {
+        match self {
+            Inbox::Stream(tx) => {
+                let _ = tx.send(Inbound::Message(payload));
+            }
+            Inbox::Single { message, tx } => {
+                if message.is_none() {
+                    *message = Some(payload);
+                } else if let Some(tx) = tx.take() {
+                    let _ = tx.send(Err(Status::internal(
+                        "server sent more than one message on a unary response",
+                    )));
+                }
+            }
+        }
+    }
+
+    pub(super) fn finish(self, status: Status) {
+        match self {
+            Inbox::Stream(tx) => {
+                let _ = tx.send(Inbound::Status(status));
+            }
+            Inbox::Single {
+                message,
+                tx: Some(tx),
+            } => {
+                let outcome = match message {
+                    _ if !status.is_ok() => Err(status),
+                    Some(bytes) => Ok((bytes, status.metadata().clone())),
+                    None => Err(Status::internal(
+                        "server ended the call without a response message",
+                    )),
+                };
+                let _ = tx.send(outcome);
+            }
+            Inbox::Single { tx: None, .. } => {}
+        }
+    }
+}
+
+pub(super) fn split_id(id: u64) -> (usize, u32) {
+    ((id & 0xFFFF_FFFF) as usize, (id >> 32) as u32)
+}
+
+impl ClientConn {
+    pub(super) fn start(connection: Connection, config: &ChannelConfig) -> Arc<ClientConn> {
+        let conn = Arc::new(ClientConn {
+            sink: connection.sink,
+            peer: connection.peer,
+            max_message_size: config.max_message_size,
+            calls: Mutex::new(CallTable {
+                slots: Slab::new(),
+                generation: 0,
+                phase: Phase::Open,
+            }),
+        });
+        tokio::spawn(Arc::clone(&conn).read_loop(connection.source, config.keepalive));
+        conn
+    }
+
+    pub(super) fn table(&self) -> std::sync::MutexGuard<'_, CallTable> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn accepts_calls(&self) -> bool {
+        matches!(self.table().phase, Phase::Open)
+    }
+
+    pub(super) fn open_call(
+        &self,
+        window: Option<Arc<SendWindow>>,
+        inbox: Inbox,
+    ) -> Result<u64, Status> {
+        let mut table = self.table();
+        match &table.phase {
+            Phase::Open => {}
+            Phase::Draining => {
+                return Err(Status::unavailable(format!(
+                    "{} is shutting down",
+                    self.peer
+                )))
+            }
+            Phase::Closed(status) => return Err(status.clone()),
+        }
+        table.generation = table.generation.wrapping_add(1);
+        let generation = table.generation;
+        let key = table.slots.insert(CallSlot {
+            generation,
+            inbox,
+            window,
+        });
+        Ok((generation as u64) << 32 | key as u64)
+    }
+
+    pub(super) fn take_call(&self, id: u64) -> Option<CallSlot> {
+        let (key, generation) = split_id(id);
+        let mut table = self.table();
+        match table.slots.get(key) {
+            Some(slot) if slot.generation == generation => Some(table.slots.remove(key)),
+            _ => None,
+        }
+    }
+
+    /// Ends call `id` locally with `status` and tells the server, if it was still open.
+    pub(super) fn fail_call(&self, id: u64, status: Status) {
+        if let Some(slot) = self.take_call(id) {
+            if let Some(window) = &slot.window {
+                window.close();
+            }
+            slot.inbox.finish(status);
+            self.send_cancel(id);
+        }
+    }
+
+    /// Forgets call `id` and tells the server, if it was still open.
+    pub(super) fn cancel(&self, id: u64) {
+        if let Some(slot) = self.take_call(id) {
+            if let Some(window) = &slot.window {
+                window.close();
+            }
+            self.send_cancel(id);
+        }
+    }
+
+    pub(super) fn send_cancel(&self, id: u64) {
+        let frame = OutFrame::control(id, OutBody::Cancel, false);
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        if self.sink.poll_send(&mut cx, &frame).is_pending() {
+            // No room right now: send it from a task rather than lose it.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let sink = Arc::clone(&self.sink);
+                runtime.spawn(async move {
+                    sink.send(&OutFrame::control(id, OutBody::Cancel, false))
+                        .await
+                });
+            }
+        }
+    }
+
+    /// Ends every open call with `status`; no new calls are accepted.
+    pub(super) fn fail_all(&self, status: Status) {
+        let slots = {
+            let mut table = self.table();
+            table.phase = Phase::Closed(status.clone());
+            std::mem::take(&mut table.slots)
+        };
+        for (_, slot) in slots {
+            if let Some(window) = &slot.window {
+                window.close();
+            }
+            slot.inbox.finish(status.clone());
+        }
+    }
+
+    pub(super) async fn read_loop(
+        self: Arc<Self>,
+        mut source: Box<dyn FrameSource>,
+        keepalive: Option<Keepalive>,
+    ) {
+        let mut timer = KeepaliveTimer::new(keepalive);
+        let mut received = 0u64;
+        let reason = loop {
+            tokio::select! {
+                result = source.recv() => {
+                    received += 1;
+                    if let Some(reason) = self.handle(result).await {
+                        break reason;
+                    }
+                }
+                tick = timer.tick(received), if timer.enabled() => match tick {
+                    Tick::Ping => {
+                        // Never waits: with no room (a dead peer grants
+                        // none), the silence goes on and the next tick
+                        // declares it dead.
+                        let _ = self.sink.try_send(&OutFrame::control(0, OutBody::Ping, false));
+                    }
+                    Tick::Dead(silent) => {
+                        break Status::unavailable(format!(
+                            "{} sent nothing for {silent:?}, not even an answer to a ping: connection presumed dead",
+                            self.peer
+                        ));
+                    }
+                },
+            }
+        };
+        if reason.code() == crate::Code::Internal {
+            tracing::warn!(peer = %self.peer, "closing connection: {}", reason.message());
+        } else {
+            tracing::debug!(peer = %self.peer, "connection ended: {}", reason.message());
+        }
+        self.fail_all(reason);
+        self.sink.close();
+    }
+
+    /// Handles what the reader received; returns why the connection must end, if it must.
+    pub(super) async fn handle(
+        &self,
+        received: Result<Option<Bytes>, TransportError>,
+    ) -> Option<Status> {
+        let peer = &self.peer;
+        match received {
+            Ok(Some(bytes)) => match Frame::decode(bytes) {
+                Ok(Frame {
+                    body: FrameBody::Ping,
+                    ..
+                }) => {
+                    // Not sent when the sink is full: the frames filling it
+                    // prove this side alive just as well.
+                    let _ = self
+                        .sink
+                        .try_send(&OutFrame::control(0, OutBody::Pong, false));
+                    None
+                }
+                Ok(frame) => {
+                    let violation = self.dispatch(frame).err()?;
+                    Some(Status::internal(format!(
+                        "{peer} broke the protocol: {violation}"
+                    )))
+                }
+                Err(error) => Some(Status::internal(format!(
+                    "{peer} sent a malformed frame: {error}"
+                ))),
+            },
+            Ok(None) => Some(Status::unavailable(format!(
+                "connection to {peer} closed by the server"
+            ))),
+            Err(TransportError::Oversized { len, prefix, .. }) => match peek_head(&prefix) {
+                Ok((id, FrameKind::Message | FrameKind::Status)) => {
+                    self.refuse_oversized(id, len);
+                    None
+                }
+                Ok((_, kind)) => Some(Status::internal(format!(
+                    "{peer} sent a {kind:?} frame of {len} bytes"
+                ))),
+                Err(error) => Some(Status::internal(format!(
+                    "{peer} sent a malformed frame: {error}"
+                ))),
+            },
+            Err(error) => Some(Status::unavailable(format!(
+                "connection to {peer} failed: {error}"
+            ))),
+        }
+    }
+
+    pub(super) fn dispatch(&self, frame: Frame) -> Result<(), String> {
+        let id = frame.call_id;
+        match frame.body {
+            FrameBody::Message => {
+                if let Some(payload) = frame.payload {
+                    self.deliver(id, payload);
+                }
+            }
+            FrameBody::Status(_)
+                if frame
+                    .payload
+                    .as_ref()
+                    .is_some_and(|p| p.len() > self.max_message_size) =>
+            {
+                self.refuse_oversized(id, frame.payload.map_or(0, |p| p.len()));
+            }
+            FrameBody::Status(status) => {
+                if let Some(mut slot) = self.take_call(id) {
+                    if let Some(window) = &slot.window {
+                        window.close();
+                    }
+                    if let Some(payload) = frame.payload {
+                        slot.inbox.message(payload);
+                    }
+                    slot.inbox.finish(status);
+                }
+            }
+            FrameBody::WindowUpdate(bytes) => {
+                let (key, generation) = split_id(id);
+                if let Some(slot) = self
+                    .table()
+                    .slots
+                    .get(key)
+                    .filter(|s| s.generation == generation)
+                {
+                    if let Some(window) = &slot.window {
+                        window.grant(bytes);
+                    }
+                }
+            }
+            FrameBody::GoAway(status) if status.is_ok() => {
+                let mut table = self.table();
+                if matches!(table.phase, Phase::Open) {
+                    table.phase = Phase::Draining;
+                }
+            }
+            FrameBody::GoAway(status) => {
+                return Err(format!("server closed the connection: {status}"))
+            }
+            FrameBody::Pong => {}
+            FrameBody::Request { .. } | FrameBody::Cancel | FrameBody::Ping => {
+                return Err(format!(
+                    "a server does not send {:?} frames",
+                    frame.body.kind()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails the call a too-large response message belongs to; the connection goes on.
+    pub(super) fn refuse_oversized(&self, id: u64, len: usize) {
+        let status = Status::resource_exhausted(format!(
+            "response message of {len} bytes is larger than the maximum message size of {} bytes",
+            self.max_message_size
+        ));
+        self.fail_call(id, status);
+    }
+
+    pub(super) fn deliver(&self, id: u64, payload: Bytes) {
+        if payload.len() > self.max_message_size {
+            return self.refuse_oversized(id, payload.len());
+        }
+        let (key, generation) = split_id(id);
+        if let Some(slot) = self
+            .table()
+            .slots
+            .get_mut(key)
+            .filter(|s| s.generation == generation)
+        {
+            slot.inbox.message(payload);
+        }
+    }
+}

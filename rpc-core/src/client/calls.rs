@@ -1,0 +1,343 @@
+//! [`Client`]: typed calls (unary, streaming) over a [`Channel`], under their deadlines.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::codec::{Codec, Encodable};
+use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
+use crate::frame::{EncodePayload, OutBody, OutFrame};
+use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
+use crate::metadata::MetadataMap;
+use crate::status::Status;
+
+use super::call_table::{ClientConn, Inbox, SingleResponse};
+use super::channel::Channel;
+
+/// Makes typed calls on a [`Channel`]; what generated clients wrap.
+#[derive(Clone, Debug)]
+pub struct Client {
+    pub(super) channel: Channel,
+}
+
+impl Client {
+    /// A client sending on `channel`.
+    pub fn new(channel: Channel) -> Client {
+        Client { channel }
+    }
+
+    /// The channel.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    pub(super) fn deadline(&self, timeout: Option<Duration>) -> Option<Instant> {
+        timeout
+            .or(self.channel.config().timeout)
+            .map(|t| Instant::now() + t)
+    }
+
+    /// Opens a call: registers it and sends its `Request` frame.
+    pub(super) async fn open(
+        &self,
+        path: &str,
+        metadata: &MetadataMap,
+        deadline: Option<Instant>,
+        first: Option<&dyn EncodePayload>,
+        sends_stream: bool,
+        inbox: Inbox,
+    ) -> Result<(ActiveCall, Option<Arc<SendWindow>>), Status> {
+        let conn = self.channel.connection().await?;
+        let window = sends_stream.then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
+        let id = conn.open_call(window.clone(), inbox)?;
+        let call = ActiveCall {
+            conn,
+            id,
+            sender: None,
+            _channel: self.channel.clone(),
+        };
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let frame = OutFrame::new(
+            id,
+            OutBody::Request {
+                method: path,
+                timeout,
+                metadata,
+            },
+            first,
+            !sends_stream,
+        )
+        .map_err(|e| Status::invalid_argument(format!("request headers: {e}")))?;
+        call.conn
+            .sink
+            .send(&frame)
+            .await
+            .map_err(|e| Status::unavailable(format!("sending to {}: {e}", call.conn.peer)))?;
+        Ok((call, window))
+    }
+
+    pub(super) fn streaming_response<T>(
+        &self,
+        call: ActiveCall,
+        rx: mpsc::UnboundedReceiver<Inbound>,
+        deadline: Option<Instant>,
+        decode: fn(Bytes) -> Result<T, Status>,
+    ) -> Streaming<T> {
+        let config = self.channel.config();
+        let window = RecvWindow::new(
+            Arc::clone(&call.conn.sink),
+            call.id,
+            config.stream_window,
+            None,
+        );
+        Streaming::new(
+            StreamingParts {
+                first: None,
+                rx: Some(rx),
+                max_message_size: config.max_message_size,
+                window: Some(window),
+                deadline,
+                guard: Some(Box::new(call)),
+            },
+            decode,
+        )
+    }
+
+    /// A unary call: one request, one response.
+    pub async fn unary<C: Codec>(
+        &self,
+        path: &str,
+        request: Request<C::Encode>,
+    ) -> Result<Response<C::Decode>, Status> {
+        let (message, metadata, timeout) = request.into_parts();
+        let deadline = self.deadline(timeout);
+        let call = async {
+            let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
+            let (tx, rx) = oneshot::channel();
+            let (_call, _) = self
+                .open(
+                    path,
+                    &metadata,
+                    deadline,
+                    Some(&payload),
+                    false,
+                    Inbox::single(tx),
+                )
+                .await?;
+            receive_one::<C>(rx).await
+        };
+        traced(path, deadline, call).await
+    }
+
+    /// A server-streaming call: one request, a stream of responses.
+    pub async fn server_streaming<C: Codec>(
+        &self,
+        path: &str,
+        request: Request<C::Encode>,
+    ) -> Result<Response<Streaming<C::Decode>>, Status> {
+        let (message, metadata, timeout) = request.into_parts();
+        let deadline = self.deadline(timeout);
+        let call = async {
+            let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            let (call, _) = self
+                .open(
+                    path,
+                    &metadata,
+                    deadline,
+                    Some(&payload),
+                    false,
+                    Inbox::Stream(tx),
+                )
+                .await?;
+            Ok(Response::new(self.streaming_response(
+                call,
+                rx,
+                deadline,
+                C::decode,
+            )))
+        };
+        traced(path, deadline, call).await
+    }
+
+    /// A client-streaming call: a stream of requests, one response.
+    pub async fn client_streaming<C, S>(
+        &self,
+        path: &str,
+        request: Request<S>,
+    ) -> Result<Response<C::Decode>, Status>
+    where
+        C: Codec,
+        S: Stream<Item = C::Encode> + Send + 'static,
+    {
+        let (stream, metadata, timeout) = request.into_parts();
+        let deadline = self.deadline(timeout);
+        let call = async {
+            let (tx, rx) = oneshot::channel();
+            let _call = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single(tx))
+                .await?;
+            receive_one::<C>(rx).await
+        };
+        traced(path, deadline, call).await
+    }
+
+    /// A bidirectional-streaming call: a stream each way.
+    pub async fn streaming<C, S>(
+        &self,
+        path: &str,
+        request: Request<S>,
+    ) -> Result<Response<Streaming<C::Decode>>, Status>
+    where
+        C: Codec,
+        S: Stream<Item = C::Encode> + Send + 'static,
+    {
+        let (stream, metadata, timeout) = request.into_parts();
+        let deadline = self.deadline(timeout);
+        let call = async {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let call = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::Stream(tx))
+                .await?;
+            Ok(Response::new(self.streaming_response(
+                call,
+                rx,
+                deadline,
+                C::decode,
+            )))
+        };
+        traced(path, deadline, call).await
+    }
+
+    /// Opens a call whose requests are `stream`, and starts sending them.
+    pub(super) async fn open_sending<C, S>(
+        &self,
+        path: &str,
+        metadata: &MetadataMap,
+        deadline: Option<Instant>,
+        stream: S,
+        inbox: Inbox,
+    ) -> Result<ActiveCall, Status>
+    where
+        C: Codec,
+        S: Stream<Item = C::Encode> + Send + 'static,
+    {
+        let (mut call, window) = self
+            .open(path, metadata, deadline, None, true, inbox)
+            .await?;
+        call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
+        Ok(call)
+    }
+
+    /// Sends the request stream's messages as the server's window allows, then the end of stream.
+    pub(super) fn spawn_sender<C, S>(
+        &self,
+        call: &ActiveCall,
+        window: Option<Arc<SendWindow>>,
+        stream: S,
+    ) -> AbortHandle
+    where
+        C: Codec,
+        S: Stream<Item = C::Encode> + Send + 'static,
+    {
+        let conn = Arc::clone(&call.conn);
+        let id = call.id;
+        let window = window.expect("streaming calls have a send window");
+        let max = self.channel.config().max_message_size;
+        let task = async move {
+            let mut stream = pin!(stream);
+            while let Some(item) = stream.next().await {
+                let payload = match Encodable::<C>::new(&item, max) {
+                    Ok(payload) => payload,
+                    Err(status) => return conn.fail_call(id, status),
+                };
+                if window.reserve(payload.payload_len()).await.is_err() {
+                    return; // the call is over
+                }
+                let frame = OutFrame::control(id, OutBody::Message, false).with_payload(&payload);
+                if conn.sink.send(&frame).await.is_err() {
+                    return; // the reader reports the broken connection
+                }
+            }
+            let _ = conn
+                .sink
+                .send(&OutFrame::control(id, OutBody::Message, true))
+                .await;
+        };
+        tokio::spawn(task.in_current_span()).abort_handle()
+    }
+}
+
+/// Receives a single response: one message, then an OK status.
+pub(super) async fn receive_one<C: Codec>(
+    rx: oneshot::Receiver<SingleResponse>,
+) -> Result<Response<C::Decode>, Status> {
+    match rx.await {
+        Ok(Ok((bytes, trailers))) => Ok(Response::from_parts(C::decode(bytes)?, trailers)),
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(Status::internal("call ended without a status")),
+    }
+}
+
+/// Runs a call under its deadline, in its tracing span.
+pub(super) async fn traced<T>(
+    path: &str,
+    deadline: Option<Instant>,
+    call: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    let span = tracing::debug_span!("rpc.client", method = path);
+    if span.is_disabled() {
+        // No subscriber wants it: skip the span's enter and exit on every poll.
+        return with_deadline(deadline, call).await;
+    }
+    with_deadline(deadline, call).instrument(span).await
+}
+
+pub(super) async fn with_deadline<T>(
+    deadline: Option<Instant>,
+    call: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match deadline {
+        None => call.await,
+        // A timeout of zero (or a deadline already past) fails at once, as
+        // in gRPC, without connecting or sending anything: `timeout_at` would
+        // poll the call once first, and that poll may send the request.
+        Some(deadline) if deadline <= Instant::now() => Err(Status::deadline_exceeded(
+            "deadline exceeded before the request was sent (timeout of zero)",
+        )),
+        Some(deadline) => tokio::time::timeout_at(deadline, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(
+                    "deadline exceeded before the server answered",
+                ))
+            }),
+    }
+}
+
+/// A call in progress on the client. Dropping it before the server's status
+/// arrived cancels the call (a `Cancel` frame stops the server's handler).
+pub(super) struct ActiveCall {
+    pub(super) conn: Arc<ClientConn>,
+    pub(super) id: u64,
+    pub(super) sender: Option<AbortHandle>,
+    /// Keeps the channel (and its connection) open while a stream outlives the client.
+    pub(super) _channel: Channel,
+}
+
+impl Drop for ActiveCall {
+    fn drop(&mut self) {
+        if let Some(sender) = self.sender.take() {
+            sender.abort();
+        }
+        self.conn.cancel(self.id);
+    }
+}

@@ -1,0 +1,696 @@
+//! One connection's reader and call table: frames in, handler tasks
+//! started, refusals answered without waiting for the sink.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
+use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::keepalive::{KeepaliveTimer, Tick};
+use crate::message::Inbound;
+use crate::metadata::MetadataMap;
+use crate::status::Status;
+use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
+
+use super::call::ServerCall;
+use super::{Routes, Service};
+
+/// One connection's server state: the calls open on it.
+pub(super) struct ServerConn {
+    pub(super) sink: Arc<dyn FrameSink>,
+    pub(super) peer: String,
+    pub(super) routes: Arc<Routes>,
+    calls: Mutex<HashMap<u64, CallSlot>>,
+    /// Handlers' final statuses waiting for room in the sink (their slots are gone).
+    finishing: AtomicUsize,
+    /// Notified when the last open call ends (graceful shutdown waits for it).
+    idle: Notify,
+}
+
+/// A handler's final status on its way into the sink: counted as an open call.
+struct FinalInFlight<'a>(&'a ServerConn);
+
+impl Drop for FinalInFlight<'_> {
+    fn drop(&mut self) {
+        let calls = self.0.calls();
+        if self.0.finishing.fetch_sub(1, Ordering::AcqRel) == 1 && calls.is_empty() {
+            self.0.idle.notify_one();
+        }
+    }
+}
+
+struct CallSlot {
+    /// Where the reader delivers the client's stream; `None` once it ended.
+    /// Unbounded, but what it holds is bounded by the window the server
+    /// granted (checked against `received`) plus one message.
+    inbound: Option<mpsc::UnboundedSender<Inbound>>,
+    /// Bytes of request-stream messages received, held to the window granted.
+    received: u64,
+    window: Arc<SendWindow>,
+    task: Option<AbortHandle>,
+}
+
+impl ServerConn {
+    fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CallSlot>> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Removes call `id`; returns whether it was open (so exactly one final status is sent).
+    fn end_call(&self, id: u64) -> Option<CallSlot> {
+        let mut calls = self.calls();
+        let slot = calls.remove(&id)?;
+        slot.window.close();
+        if self.open_calls(&calls) == 0 {
+            self.idle.notify_one();
+        }
+        Some(slot)
+    }
+
+    /// Sends the final status of call `id` (with a last message), if the call
+    /// is still open. The call stays open (counted against the limit) until
+    /// the frame is in the sink, so replies a client does not read hold
+    /// their calls, not an unbounded queue of waiting replies.
+    pub(super) async fn finish(
+        &self,
+        id: u64,
+        status: &Status,
+        payload: Option<&dyn EncodePayload>,
+    ) {
+        // The slot goes now (the client may reuse the id once it has the
+        // status), but the call counts against the limit until the frame is
+        // in the sink.
+        let Some(_finishing) = self.end_call_for_final(id) else {
+            return; // cancelled, or already finished
+        };
+        let fallback;
+        let frame = match OutFrame::new(id, OutBody::Status(status), payload, false) {
+            Ok(frame) => frame,
+            Err(error) => {
+                fallback = Status::internal(format!("status could not be encoded: {error}"));
+                OutFrame::control(id, OutBody::Status(&fallback), false)
+            }
+        };
+        if let Err(error) = self.sink.send(&frame).await {
+            tracing::debug!(peer = %self.peer, "final status not sent: {error}");
+        }
+    }
+
+    /// Calls open, final statuses waiting for room included: what the limit counts.
+    fn open_calls(&self, calls: &HashMap<u64, CallSlot>) -> usize {
+        calls.len() + self.finishing.load(Ordering::Acquire)
+    }
+
+    /// Ends call `id` for its handler's final status: the returned guard
+    /// counts it as open until the status is in the sink (or given up on).
+    fn end_call_for_final(&self, id: u64) -> Option<FinalInFlight<'_>> {
+        let mut calls = self.calls();
+        let slot = calls.remove(&id)?;
+        slot.window.close();
+        self.finishing.fetch_add(1, Ordering::AcqRel);
+        Some(FinalInFlight(self))
+    }
+
+    fn abort_all(&self) {
+        for (_, slot) in self.calls().drain() {
+            slot.window.close();
+            if let Some(task) = slot.task {
+                task.abort();
+            }
+        }
+    }
+
+    fn dispatch(
+        self: &Arc<Self>,
+        frame: Frame,
+        draining: bool,
+        backlog: &mut RefusalBacklog,
+    ) -> Result<(), String> {
+        let id = frame.call_id;
+        match frame.body {
+            FrameBody::Request {
+                method,
+                timeout,
+                metadata,
+            } => {
+                let open = {
+                    let calls = self.calls();
+                    if calls.contains_key(&id) {
+                        return Err(format!("call id {id:#x} reused while its call is open"));
+                    }
+                    self.open_calls(&calls)
+                };
+                if let Some(limit) = self.routes.max_concurrent_calls.filter(|&l| open >= l) {
+                    let status = Status::resource_exhausted(format!(
+                        "{open} calls already open on this connection, the server's limit is {limit}"
+                    ));
+                    backlog.refuse(&*self.sink, id, status);
+                    return Ok(());
+                }
+                if draining {
+                    backlog.refuse(
+                        &*self.sink,
+                        id,
+                        Status::unavailable("server is shutting down"),
+                    );
+                    return Ok(());
+                }
+                if timeout == Some(Duration::ZERO) {
+                    // As in gRPC: no time left means the handler is not run.
+                    let status =
+                        Status::deadline_exceeded("the request arrived with a timeout of zero");
+                    backlog.refuse(&*self.sink, id, status);
+                    return Ok(());
+                }
+                if let Some(len) = frame
+                    .payload
+                    .as_ref()
+                    .map(Bytes::len)
+                    .filter(|&l| l > self.routes.max_message_size)
+                {
+                    return self.refuse_oversized(
+                        id,
+                        FrameKind::Request,
+                        Oversize::Message(len),
+                        backlog,
+                    );
+                }
+                self.open_call(
+                    id,
+                    method,
+                    timeout,
+                    metadata,
+                    frame.payload,
+                    frame.end_stream,
+                    backlog,
+                );
+            }
+            FrameBody::Message => {
+                if let Some(len) = frame
+                    .payload
+                    .as_ref()
+                    .map(Bytes::len)
+                    .filter(|&l| l > self.routes.max_message_size)
+                {
+                    return self.refuse_oversized(
+                        id,
+                        FrameKind::Message,
+                        Oversize::Message(len),
+                        backlog,
+                    );
+                }
+                let mut calls = self.calls();
+                let Some(slot) = calls.get_mut(&id) else {
+                    return Ok(()); // the call already ended: its late messages are dropped
+                };
+                if slot.inbound.is_none() {
+                    return Err(format!(
+                        "message after the end of call {id:#x}'s request stream"
+                    ));
+                }
+                // The client may start a message while its window is
+                // positive: one that starts beyond what was granted ignores
+                // flow control, and would make this queue grow without bound.
+                // (A frame that only ends the stream carries no message.)
+                let granted = slot.window.granted_to_peer();
+                if frame.payload.is_some() && slot.received >= granted {
+                    let received = slot.received;
+                    drop(calls);
+                    if let Some(slot) = self.end_call(id) {
+                        if let Some(task) = slot.task {
+                            task.abort();
+                        }
+                    }
+                    let status = Status::resource_exhausted(format!(
+                        "the client sent {received} bytes on the request stream and more, \
+                         beyond the {granted}-byte window the server granted (flow control ignored)"
+                    ));
+                    backlog.refuse(&*self.sink, id, status);
+                    return Ok(());
+                }
+                slot.received += frame.payload.as_ref().map_or(0, |p| p.len() as u64);
+                let Some(inbound) = &slot.inbound else {
+                    unreachable!("checked above");
+                };
+                if let Some(payload) = frame.payload {
+                    let _ = inbound.send(Inbound::Message(payload));
+                }
+                if frame.end_stream {
+                    let _ = inbound.send(Inbound::End);
+                    slot.inbound = None;
+                }
+            }
+            FrameBody::Cancel => {
+                if let Some(slot) = self.end_call(id) {
+                    tracing::debug!(peer = %self.peer, call_id = id, "cancelled by the client");
+                    if let Some(task) = slot.task {
+                        task.abort();
+                    }
+                }
+            }
+            FrameBody::WindowUpdate(bytes) => {
+                if let Some(slot) = self.calls().get(&id) {
+                    slot.window.grant(bytes);
+                }
+            }
+            FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
+            FrameBody::Ping => {
+                // Not sent when the sink is full: the frames filling it
+                // prove this side alive just as well.
+                let _ = self
+                    .sink
+                    .try_send(&OutFrame::control(0, OutBody::Pong, false));
+            }
+            FrameBody::Pong => {}
+            FrameBody::Status(_) => return Err("a client does not send Status frames".into()),
+        }
+        Ok(())
+    }
+
+    /// Handles what the reader received: `Ok(true)` to read on, `Ok(false)`
+    /// when the connection ended, `Err` when the client broke the protocol.
+    fn handle(
+        self: &Arc<Self>,
+        received: Result<Option<Bytes>, TransportError>,
+        draining: bool,
+        backlog: &mut RefusalBacklog,
+    ) -> Result<Reading, String> {
+        match received {
+            Ok(Some(bytes)) => {
+                let frame = Frame::decode(bytes).map_err(|e| format!("malformed frame: {e}"))?;
+                self.dispatch(frame, draining, backlog)?;
+            }
+            Ok(None) => return Ok(Reading::HalfClosed),
+            Err(TransportError::Oversized { len, max, prefix }) => {
+                let (id, kind) = peek_head(&prefix).map_err(|e| format!("malformed frame: {e}"))?;
+                self.refuse_oversized(id, kind, Oversize::Frame { len, max }, backlog)?;
+            }
+            // A client that went away in the middle of sending a frame broke
+            // nothing: it disconnected. (Older transports report it as a
+            // protocol error with this wording; newer ones as `UnexpectedEof`.)
+            Err(TransportError::Protocol(reason))
+                if reason.starts_with("peer closed the connection inside a frame") =>
+            {
+                tracing::debug!(peer = %self.peer, "client disconnected in the middle of a frame: {reason}");
+                return Ok(Reading::Ended);
+            }
+            Err(TransportError::Protocol(reason)) => return Err(reason),
+            Err(error @ TransportError::FrameTooLarge { .. }) => return Err(error.to_string()),
+            Err(TransportError::Io { source, context })
+                if source.kind() == std::io::ErrorKind::UnexpectedEof =>
+            {
+                tracing::debug!(peer = %self.peer, "client disconnected in the middle of a frame: {context}: {source}");
+                return Ok(Reading::Ended);
+            }
+            Err(error) => {
+                tracing::debug!(peer = %self.peer, "connection failed: {error}");
+                return Ok(Reading::Ended);
+            }
+        }
+        Ok(Reading::On)
+    }
+
+    /// The client sends no more (it shut down its sending side): calls still
+    /// waiting for request messages get none, so their streams fail.
+    fn end_request_streams(&self) {
+        for slot in self.calls().values_mut() {
+            if let Some(inbound) = slot.inbound.take() {
+                let _ = inbound.send(Inbound::Status(Status::cancelled(
+                    "the client closed its sending side before ending the request stream",
+                )));
+            }
+        }
+    }
+
+    /// Fails the call a too-large request message belongs to; the connection goes on.
+    fn refuse_oversized(
+        &self,
+        id: u64,
+        kind: FrameKind,
+        size: Oversize,
+        backlog: &mut RefusalBacklog,
+    ) -> Result<(), String> {
+        let max_message_size = self.routes.max_message_size;
+        let status = Status::resource_exhausted(match size {
+            Oversize::Message(len) => format!(
+                "request message of {len} bytes is larger than the server's maximum message size of {max_message_size} bytes"
+            ),
+            Oversize::Frame { len, max } => format!(
+                "request frame of {len} bytes is longer than the server's frame limit of {max} bytes \
+                 (its maximum message size of {max_message_size} bytes plus headers)"
+            ),
+        });
+        match kind {
+            FrameKind::Request => backlog.refuse(&*self.sink, id, status),
+            FrameKind::Message => {
+                if let Some(slot) = self.end_call(id) {
+                    if let Some(task) = slot.task {
+                        task.abort();
+                    }
+                    backlog.refuse(&*self.sink, id, status);
+                }
+            }
+            other => return Err(format!("{other:?} frame over the size limit: {size:?}")),
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn open_call(
+        self: &Arc<Self>,
+        id: u64,
+        path: String,
+        timeout: Option<Duration>,
+        metadata: MetadataMap,
+        first: Option<Bytes>,
+        end_stream: bool,
+        backlog: &mut RefusalBacklog,
+    ) {
+        let Some((service, method)) = route(&self.routes, &path) else {
+            let status = Status::unimplemented(format!("no service for method {path}"));
+            return backlog.refuse(&*self.sink, id, status);
+        };
+        let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
+        let (inbound_tx, inbound_rx) = if end_stream {
+            (None, None)
+        } else {
+            let (tx, rx) = mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        };
+        self.calls().insert(
+            id,
+            CallSlot {
+                inbound: inbound_tx,
+                received: 0,
+                window: Arc::clone(&window),
+                task: None,
+            },
+        );
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let call = ServerCall {
+            conn: Arc::clone(self),
+            id,
+            metadata,
+            timeout,
+            first,
+            inbound: inbound_rx,
+            window,
+        };
+        let span = tracing::debug_span!("rpc.server", method = %path, peer = %self.peer);
+        let run = run_call(Arc::clone(self), id, service, method, path, deadline, call);
+        let task = if span.is_disabled() {
+            tokio::spawn(run)
+        } else {
+            tokio::spawn(run.instrument(span))
+        };
+        if let Some(slot) = self.calls().get_mut(&id) {
+            slot.task = Some(task.abort_handle());
+        }
+    }
+}
+
+/// What the connection reader does after a frame.
+enum Reading {
+    /// Reads on.
+    On,
+    /// The client shut down its sending side: stop reading, finish the open calls.
+    HalfClosed,
+    /// The connection is gone: abort everything.
+    Ended,
+}
+
+/// How a request was too large.
+#[derive(Debug, Clone, Copy)]
+enum Oversize {
+    /// A received message of this many bytes, over the maximum message size.
+    Message(usize),
+    /// A frame the transport skipped: its length and the frame limit.
+    Frame { len: usize, max: usize },
+}
+
+/// Final statuses the connection reader answers itself (refusals), waiting
+/// for room in the sink. The reader never waits for the sink: while this is
+/// not empty it takes no new frames from the client (whose unread replies
+/// filled the sink), but keeps running keepalive and shutdown.
+#[derive(Default)]
+struct RefusalBacklog(VecDeque<(u64, Status)>);
+
+impl RefusalBacklog {
+    /// Sends call `id`'s final status now if there is room, else queues it.
+    fn refuse(&mut self, sink: &dyn FrameSink, id: u64, status: Status) {
+        if self.0.is_empty() {
+            match sink.try_send(&OutFrame::control(id, OutBody::Status(&status), false)) {
+                Ok(true) | Err(_) => return, // sent, or the connection is gone
+                Ok(false) => {}
+            }
+        }
+        self.0.push_back((id, status));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Sends what is queued as room appears; ready when nothing is left.
+    async fn flush(&mut self, sink: &dyn FrameSink) {
+        std::future::poll_fn(|cx| {
+            while let Some((id, status)) = self.0.front() {
+                let frame = OutFrame::control(*id, OutBody::Status(status), false);
+                match sink.poll_send(cx, &frame) {
+                    Poll::Ready(Ok(())) => {
+                        self.0.pop_front();
+                    }
+                    Poll::Ready(Err(_)) => self.0.clear(), // the connection is gone
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            Poll::Ready(())
+        })
+        .await
+    }
+}
+
+/// Splits `/package.Service/Method` and finds the service.
+fn route(routes: &Routes, path: &str) -> Option<(Arc<dyn Service>, String)> {
+    let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+    let service = routes.services.get(service)?;
+    Some((Arc::clone(service), method.to_string()))
+}
+
+/// Runs a handler under its deadline, turning a panic or an expired deadline into a status.
+async fn run_call(
+    conn: Arc<ServerConn>,
+    id: u64,
+    service: Arc<dyn Service>,
+    method: String,
+    path: String,
+    deadline: Option<Instant>,
+    call: ServerCall,
+) {
+    let handler = AssertUnwindSafe(service.call(&method, call)).catch_unwind();
+    let outcome = match deadline {
+        None => Ok(handler.await),
+        Some(deadline) => tokio::time::timeout_at(deadline, handler).await,
+    };
+    let status = match outcome {
+        Ok(Ok(())) => return, // the handler sent its own final status
+        Ok(Err(panic)) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(non-string panic payload)");
+            tracing::error!("handler for {path} panicked: {what}");
+            Status::internal(format!("handler for {path} panicked"))
+        }
+        Err(_) => Status::deadline_exceeded(format!("deadline exceeded while {path} ran")),
+    };
+    conn.finish(id, &status, None).await;
+}
+
+/// Aborts a connection's handlers and closes it when its task ends, however it ends.
+struct ConnGuard(Arc<ServerConn>);
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.0.abort_all();
+        self.0.sink.close();
+    }
+}
+
+pub(super) async fn serve_connection(
+    routes: Arc<Routes>,
+    connection: Connection,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let conn = Arc::new(ServerConn {
+        sink: connection.sink,
+        peer: connection.peer,
+        routes,
+        calls: Mutex::new(HashMap::new()),
+        finishing: AtomicUsize::new(0),
+        idle: Notify::new(),
+    });
+    let _guard = ConnGuard(Arc::clone(&conn));
+    let mut source: Box<dyn FrameSource> = connection.source;
+    let mut draining = *shutdown.borrow();
+    tracing::debug!(peer = %conn.peer, "connection accepted");
+    let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
+    let mut received = 0u64;
+    let mut backlog = RefusalBacklog::default();
+    // The client shut down its write side (`Ok(None)`): it sends nothing
+    // more, but the calls it opened still run and their replies go out.
+    let mut half_closed = false;
+    let violation = loop {
+        if (draining || half_closed) && backlog.is_empty() && conn.open_calls(&conn.calls()) == 0 {
+            break None;
+        }
+        tokio::select! {
+            result = source.recv(), if backlog.is_empty() && !half_closed => {
+                received += 1;
+                match conn.handle(result, draining, &mut backlog) {
+                    Ok(Reading::On) => {}
+                    Ok(Reading::HalfClosed) => {
+                        tracing::debug!(peer = %conn.peer, "client closed its sending side: finishing its open calls");
+                        half_closed = true;
+                        conn.end_request_streams();
+                    }
+                    Ok(Reading::Ended) => break None,
+                    Err(violation) => break Some(violation),
+                }
+            }
+            () = backlog.flush(&*conn.sink), if !backlog.is_empty() => {}
+            // A half-closed client can send no pongs: its calls run under their own deadlines.
+            tick = timer.tick(received), if timer.enabled() && !half_closed => match tick {
+                Tick::Ping => {
+                    // Never waits: with no room (a dead peer grants none),
+                    // the silence goes on and the next tick declares it dead.
+                    let _ = conn.sink.try_send(&OutFrame::control(0, OutBody::Ping, false));
+                }
+                Tick::Dead(silent) => {
+                    tracing::info!(peer = %conn.peer, "no complete frame from the client for {silent:?}, and no answer to a ping: closing");
+                    break None;
+                }
+            },
+            _ = shutdown.changed(), if !draining => {
+                draining = true;
+                let bye = Status::ok("server shutting down");
+                if let Ok(false) = conn.sink.try_send(&OutFrame::control(0, OutBody::GoAway(&bye), false)) {
+                    // The sink is full: send it when there is room, reading on meanwhile.
+                    let sink = Arc::clone(&conn.sink);
+                    tokio::spawn(async move {
+                        let _ = sink.send(&OutFrame::control(0, OutBody::GoAway(&bye), false)).await;
+                    });
+                }
+            }
+            () = conn.idle.notified(), if draining || half_closed => {}
+        }
+    };
+    if let Some(violation) = violation {
+        tracing::warn!(peer = %conn.peer, "closing connection: {violation}");
+        let status = Status::internal(format!("protocol error: {violation}"));
+        // Best effort: a peer that broke the protocol is not waited for.
+        let _ = conn
+            .sink
+            .try_send(&OutFrame::control(0, OutBody::GoAway(&status), false));
+    }
+    tracing::debug!(peer = %conn.peer, "connection closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Context;
+
+    use super::*;
+    use crate::keepalive::Keepalive;
+
+    /// A client that reads nothing: its connection never has room.
+    struct FullSink;
+
+    impl FrameSink for FullSink {
+        fn poll_send(
+            &self,
+            _cx: &mut Context<'_>,
+            _frame: &OutFrame<'_>,
+        ) -> Poll<Result<(), TransportError>> {
+            Poll::Pending
+        }
+
+        fn close(&self) {}
+    }
+
+    /// Delivers its frames, counting those taken, then nothing (silent, not closed).
+    struct QueuedFrames(VecDeque<Bytes>, Arc<AtomicUsize>);
+
+    impl FrameSource for QueuedFrames {
+        fn poll_recv(
+            &mut self,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Result<Option<Bytes>, TransportError>> {
+            match self.0.pop_front() {
+                Some(frame) => {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                    Poll::Ready(Ok(Some(frame)))
+                }
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// The reader never waits for the sink: a refusal with no room waits in
+    /// the backlog, the reader takes no more frames meanwhile, and keepalive
+    /// still declares the silent client dead.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_nothing_is_not_read_from_and_keepalive_still_closes_it() {
+        let metadata = MetadataMap::new();
+        let request = |id| {
+            let body = OutBody::Request {
+                method: "/no.Such/Method", // refused by the reader itself
+                timeout: None,
+                metadata: &metadata,
+            };
+            OutFrame::new(id, body, None, true).unwrap().to_bytes()
+        };
+        let taken = Arc::new(AtomicUsize::new(0));
+        let connection = Connection {
+            sink: Arc::new(FullSink),
+            source: Box::new(QueuedFrames(
+                (1..=10).map(request).collect(),
+                Arc::clone(&taken),
+            )),
+            peer: "test".into(),
+        };
+        let routes = Arc::new(Routes {
+            services: HashMap::new(),
+            max_message_size: 1 << 20,
+            stream_window: INITIAL_STREAM_WINDOW,
+            keepalive: Some(Keepalive {
+                interval: Duration::from_secs(1),
+                timeout: Duration::from_secs(1),
+            }),
+            max_concurrent_calls: Some(1),
+        });
+        let (_shutdown_tx, shutdown) = watch::channel(false);
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            serve_connection(routes, connection, shutdown),
+        )
+        .await
+        .expect("keepalive closed the connection while a refusal waited for room");
+        assert_eq!(
+            taken.load(Ordering::SeqCst),
+            1,
+            "the reader took more frames while its refusal waited for room"
+        );
+    }
+}

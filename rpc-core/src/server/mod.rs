@@ -1,0 +1,378 @@
+//! The server side: a [`Server`] accepts connections and runs each call's
+//! handler in its own task; generated code implements [`Service`].
+//!
+//! Layout: this file has the builder and the accept loop; [`connection`]
+//! reads one connection and keeps its call table; [`call`] has what a
+//! handler sees ([`ServerCall`]) and the adapters generated code calls.
+
+mod call;
+mod connection;
+
+pub use call::{client_streaming, server_streaming, streaming, unary, unimplemented, ServerCall};
+
+use std::collections::HashMap;
+use std::future::{pending, Future};
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::client::{
+    frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE_LIMIT,
+};
+use crate::flow::{DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
+use crate::keepalive::{Keepalive, DEFAULT_KEEPALIVE};
+use crate::transport::{BoxFuture, Listener, TransportError};
+
+use connection::serve_connection;
+
+/// A service a [`Server`] routes calls to; implemented by generated `FooServer<T>` types.
+pub trait Service: Send + Sync + 'static {
+    /// The full protobuf name, `package.Service`.
+    fn name(&self) -> &'static str;
+
+    /// Runs one call of `method` (the protobuf method name) to completion,
+    /// sending its responses and final status through `call`.
+    fn call(&self, method: &str, call: ServerCall) -> BoxFuture<'static, ()>;
+}
+
+/// Starting the server failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The address is unusable.
+    #[error(transparent)]
+    Address(#[from] AddressError),
+    /// The transport could not listen there.
+    #[error("listening on {address} failed: {source}")]
+    Listen {
+        /// The address.
+        address: String,
+        /// Why.
+        #[source]
+        source: TransportError,
+    },
+}
+
+/// Entry point: `Server::builder()`.
+///
+/// ```no_run
+/// # async fn run(service: impl rpc_core::codegen::Service) -> Result<(), rpc_core::ServeError> {
+/// rpc_core::Server::builder()
+///     .add_service(service)
+///     .serve_with_shutdown("tcp://0.0.0.0:50051", async { tokio::signal::ctrl_c().await.ok(); })
+///     .await
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Server;
+
+impl Server {
+    /// A builder to add services to and configure.
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder {
+            services: HashMap::new(),
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            stream_window: DEFAULT_STREAM_WINDOW,
+            shutdown_grace: None,
+            keepalive: Some(DEFAULT_KEEPALIVE),
+            max_concurrent_calls: Some(DEFAULT_MAX_CONCURRENT_CALLS),
+        }
+    }
+}
+
+/// Calls one connection may have open at once unless the builder says otherwise.
+///
+/// gRPC servers advertise 100 concurrent streams (gRPC-Go's HTTP/2 default);
+/// fan-out users of this framework open one call per shard on a shared
+/// channel, so the bound is ten times that. What matters is that it is finite:
+/// it is what bounds a connection's memory (see [`ServerBuilder`]).
+pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 1024;
+
+/// Configures a server; see [`Server`].
+///
+/// # What one connection can make the server hold
+/// A client cannot make the server hold more than, per connection:
+/// - [`max_concurrent_calls`](Self::max_concurrent_calls) open calls (default
+///   [`DEFAULT_MAX_CONCURRENT_CALLS`]), each with its handler task and at most
+///   one encoded reply waiting for room in the connection (a call counts as
+///   open until its final status is handed to the transport, so replies a
+///   client does not read hold their calls open, and further calls are
+///   refused with `ResourceExhausted`);
+/// - the transport's own send buffer (its write high-water mark);
+/// - per call with a request stream, what the client sends ahead of the
+///   handler: [`stream_window`](Self::stream_window) plus one message;
+/// - refusals the connection reader answers itself (over the limit, unknown
+///   method, oversized, shutting down) never wait for room: while one is
+///   waiting, the reader takes no new frames from that client.
+///
+/// Measured (`transport-tcp/tests/unread_calls.rs`): 200,000 unary calls sent
+/// on one connection by a client that reads no reply grow the server by
+/// well under 64 MiB with the defaults.
+pub struct ServerBuilder {
+    services: HashMap<&'static str, Arc<dyn Service>>,
+    max_message_size: usize,
+    stream_window: u32,
+    shutdown_grace: Option<Duration>,
+    keepalive: Option<Keepalive>,
+    max_concurrent_calls: Option<usize>,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder")
+            .field("services", &self.services.keys())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServerBuilder {
+    /// Routes calls for `service.name()` to `service`.
+    ///
+    /// # Panics
+    /// If a service of the same name was added already.
+    pub fn add_service<S: Service>(mut self, service: S) -> ServerBuilder {
+        let name = service.name();
+        assert!(
+            self.services.insert(name, Arc::new(service)).is_none(),
+            "service {name} added twice"
+        );
+        self
+    }
+
+    /// Largest message received or sent (default 64 MiB, at most 4 GiB - 1).
+    /// A larger request fails with `ResourceExhausted`; the connection stays up.
+    pub fn max_message_size(mut self, bytes: usize) -> ServerBuilder {
+        self.max_message_size = bytes.min(MAX_MESSAGE_SIZE_LIMIT);
+        self
+    }
+
+    /// Bytes a client may send on one request stream ahead of the handler (default 8 MiB).
+    /// Enforced: a message the client starts beyond the window granted so far
+    /// fails that call with `ResourceExhausted` (the connection goes on, as
+    /// HTTP/2 treats a stream's flow-control error), so a call's queue of
+    /// unread request messages holds at most this plus one message.
+    pub fn stream_window(mut self, bytes: u32) -> ServerBuilder {
+        self.stream_window = bytes.max(INITIAL_STREAM_WINDOW);
+        self
+    }
+
+    /// On shutdown, how long in-flight calls may run before they are cancelled
+    /// (default: as long as they take).
+    pub fn shutdown_grace(mut self, grace: Duration) -> ServerBuilder {
+        self.shutdown_grace = Some(grace);
+        self
+    }
+
+    /// After `interval` without a frame from a client, ping it; if nothing
+    /// arrives within `timeout` more, close the connection and cancel its
+    /// handlers (defaults 20 s and 20 s).
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> ServerBuilder {
+        self.keepalive = Some(Keepalive { interval, timeout });
+        self
+    }
+
+    /// At most `calls` calls open at once on one connection (default
+    /// [`DEFAULT_MAX_CONCURRENT_CALLS`]; `usize::MAX` lifts the limit, and
+    /// with it the bound on a connection's memory). Calls over the limit fail
+    /// at once with `ResourceExhausted`; the client may retry. (Reading is
+    /// not paused instead: open streaming calls need their next messages to
+    /// finish.)
+    pub fn max_concurrent_calls(mut self, calls: usize) -> ServerBuilder {
+        self.max_concurrent_calls = (calls != usize::MAX).then_some(calls);
+        self
+    }
+
+    /// No keepalive pings: handlers of a client whose host died run on until they finish.
+    pub fn no_keepalive(mut self) -> ServerBuilder {
+        self.keepalive = None;
+        self
+    }
+
+    /// Listens on `address`; [`BoundServer::local_addr`] tells the port chosen for port 0.
+    pub async fn bind(self, address: &str) -> Result<BoundServer, ServeError> {
+        let (transport, authority) = resolve(address)?;
+        let listener = transport
+            .listen(&authority, frame_limits(self.max_message_size))
+            .await
+            .map_err(|source| ServeError::Listen {
+                address: address.into(),
+                source,
+            })?;
+        Ok(BoundServer {
+            local_addr: listener.local_addr(),
+            listener,
+            routes: Arc::new(Routes {
+                services: self.services,
+                max_message_size: self.max_message_size,
+                stream_window: self.stream_window,
+                keepalive: self.keepalive,
+                max_concurrent_calls: self.max_concurrent_calls,
+            }),
+            shutdown_grace: self.shutdown_grace,
+        })
+    }
+
+    /// Listens on `address` and serves until the process ends.
+    pub async fn serve(self, address: &str) -> Result<(), ServeError> {
+        self.bind(address).await?.serve().await
+    }
+
+    /// Listens on `address` and serves until `signal` completes, then shuts down gracefully.
+    pub async fn serve_with_shutdown(
+        self,
+        address: &str,
+        signal: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        self.bind(address).await?.serve_with_shutdown(signal).await
+    }
+}
+
+struct Routes {
+    services: HashMap<&'static str, Arc<dyn Service>>,
+    max_message_size: usize,
+    stream_window: u32,
+    keepalive: Option<Keepalive>,
+    max_concurrent_calls: Option<usize>,
+}
+
+/// A server listening on an address, not yet serving.
+pub struct BoundServer {
+    listener: Box<dyn Listener>,
+    local_addr: String,
+    routes: Arc<Routes>,
+    shutdown_grace: Option<Duration>,
+}
+
+impl std::fmt::Debug for BoundServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoundServer")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BoundServer {
+    /// The address bound, as a URL clients can connect to (`tcp://127.0.0.1:40123`).
+    pub fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    /// Serves until the process ends.
+    pub async fn serve(self) -> Result<(), ServeError> {
+        self.serve_with_shutdown(pending()).await
+    }
+
+    /// Serves until `signal` completes, then shuts down gracefully: stops
+    /// accepting, tells every client to send no new calls (GoAway), lets calls
+    /// in flight finish (within the shutdown grace, if set) and closes.
+    pub async fn serve_with_shutdown(
+        mut self,
+        signal: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let mut connections = JoinSet::new();
+        let mut signal = pin!(signal);
+        let mut accept_errors = ErrorReportInterval::default();
+        tracing::info!(address = %self.local_addr, "serving");
+        loop {
+            tokio::select! {
+                accepted = std::future::poll_fn(|cx| self.listener.poll_accept(cx)) => match accepted {
+                    Ok(connection) => {
+                        connections.spawn(serve_connection(Arc::clone(&self.routes), connection, shutdown_rx.clone()));
+                    }
+                    Err(TransportError::Closed) => break,
+                    Err(error) => {
+                        // The listener already skips errors that concern one
+                        // client (a reset before accept); what reaches here is
+                        // the listener's own trouble (out of file descriptors,
+                        // memory): retry after a short pause, report once a second.
+                        if let Some(suppressed) = accept_errors.report(Instant::now()) {
+                            tracing::warn!(
+                                address = %self.local_addr,
+                                "accepting connections failed: {error}; retrying every {ACCEPT_RETRY:?} \
+                                 ({suppressed} more failures since the last report)"
+                            );
+                        }
+                        tokio::time::sleep(ACCEPT_RETRY).await;
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                () = &mut signal => break,
+            }
+        }
+        drop(self.listener);
+        tracing::info!(address = %self.local_addr, "shutting down: draining {} connections", connections.len());
+        let _ = shutdown_tx.send(true);
+        let drain = async { while connections.join_next().await.is_some() {} };
+        match self.shutdown_grace {
+            None => drain.await,
+            Some(grace) => {
+                if tokio::time::timeout(grace, drain).await.is_err() {
+                    tracing::warn!(
+                        "shutdown grace of {grace:?} passed: cancelling the calls still running"
+                    );
+                    connections.shutdown().await;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pause after the listener fails before accepting again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(20);
+
+/// Reports a repeating error at most once per second, with a count of the
+/// ones not reported.
+#[derive(Debug, Default)]
+struct ErrorReportInterval {
+    last_report: Option<Instant>,
+    suppressed: u64,
+}
+
+impl ErrorReportInterval {
+    const INTERVAL: Duration = Duration::from_secs(1);
+
+    /// An error happened at `now`: `Some(errors suppressed since the last
+    /// report)` if this one is to be reported.
+    fn report(&mut self, now: Instant) -> Option<u64> {
+        match self.last_report {
+            Some(last) if now.saturating_duration_since(last) < Self::INTERVAL => {
+                self.suppressed += 1;
+                None
+            }
+            _ => {
+                self.last_report = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_errors_are_reported_once_a_second_with_a_count() {
+        let mut interval = ErrorReportInterval::default();
+        let start = Instant::now();
+        assert_eq!(interval.report(start), Some(0));
+        for ms in [1, 20, 999] {
+            assert_eq!(interval.report(start + Duration::from_millis(ms)), None);
+        }
+        assert_eq!(
+            interval.report(start + Duration::from_millis(1000)),
+            Some(3)
+        );
+        assert_eq!(interval.report(start + Duration::from_millis(1500)), None);
+        assert_eq!(
+            interval.report(start + Duration::from_millis(2500)),
+            Some(1)
+        );
+    }
+}
