@@ -25,8 +25,18 @@
 //!   finishes a frame the socket had no room for inline, before anything
 //!   queued behind it.
 //!
-//! The reader reads into one buffer and hands each frame up as a
-//! [`bytes::Bytes`] slice of it: no allocation or copy per frame.
+//! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer
+//! and hands each frame up as a [`bytes::Bytes`] slice of it: no allocation
+//! or copy per frame. The buffer grows with the bytes that arrived, never
+//! with the length a peer announces; frames over 64 KiB claim a share of
+//! the transport's [read budget](TcpTransport::read_budget) first.
+//!
+//! # Listening
+//! A connection reset by its client before it was accepted is dropped
+//! quietly; the listener goes on at once. At the process's file-descriptor
+//! limit, new connections are closed as soon as they arrive (with a
+//! descriptor kept in reserve for that) instead of waiting in the backlog,
+//! and the server is told once per episode.
 //!
 //! Frames over the connection's limit are dropped as they arrive, never
 //! buffered, and reported as [`TransportError::Oversized`].
@@ -40,6 +50,11 @@
 //! queued and unwritten, so a peer that stops reading holds its senders back
 //! instead of growing memory.
 
+mod budget;
+#[doc(hidden)]
+pub mod reader;
+
+use std::fs::File;
 use std::io;
 use std::mem;
 use std::pin::Pin;
@@ -52,8 +67,11 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
-    TransportError, OVERSIZED_PREFIX_LEN,
+    TransportError,
 };
+
+use budget::ReadBudget;
+use reader::FrameReader;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -69,13 +87,18 @@ pub fn install() {
 pub struct TcpTransport {
     write_high_water: usize,
     dead_peer_timeout: Duration,
+    read_budget: Arc<ReadBudget>,
 }
+
+/// The default of [`TcpTransport::read_budget`]: 1 GiB.
+pub const DEFAULT_READ_BUDGET: usize = 1 << 30;
 
 impl Default for TcpTransport {
     fn default() -> TcpTransport {
         TcpTransport {
             write_high_water: 1024 * 1024,
             dead_peer_timeout: Duration::from_secs(30),
+            read_budget: ReadBudget::new(DEFAULT_READ_BUDGET),
         }
     }
 }
@@ -112,6 +135,27 @@ impl TcpTransport {
         self
     }
 
+    /// Bytes that frames larger than 64 KiB may claim while they arrive,
+    /// across all of this transport's connections (default
+    /// [`DEFAULT_READ_BUDGET`], 1 GiB).
+    ///
+    /// A connection claims a large frame's announced length before reading
+    /// more than its first 64 KiB, and gives it back when the frame is
+    /// handed up; while the budget is claimed, such frames wait (their
+    /// peers' TCP windows fill), and frames up to 64 KiB never wait. A frame
+    /// larger than the whole budget still goes when no other claim is held.
+    /// Memory for frames being received thus stays under about
+    /// `2 × budget + connections × 384 KiB`, whatever lengths peers
+    /// announce: buffers grow with the bytes that arrived (at most doubling
+    /// per read), never with an announced length. A peer that announces a
+    /// large frame and stops sending holds its claim until the connection
+    /// ends (rpc-core's keepalive closes a connection that completes no
+    /// frame for its interval + timeout, 40 s by default).
+    pub fn read_budget(mut self, bytes: usize) -> TcpTransport {
+        self.read_budget = ReadBudget::new(bytes);
+        self
+    }
+
     fn wrap(&self, stream: TcpStream, limits: FrameLimits) -> Result<Connection, TransportError> {
         self.configure(&stream)
             .map_err(|e| TransportError::io("configure the TCP socket", e))?;
@@ -141,9 +185,9 @@ impl TcpTransport {
             sink: Arc::new(TcpSink { shared }),
             source: Box::new(TcpSource {
                 socket: read,
-                buf: BytesMut::new(),
-                limits,
-                skip: 0,
+                reader: FrameReader::new(limits),
+                budget: Arc::clone(&self.read_budget),
+                claimed: 0,
                 received,
             }),
             peer,
@@ -186,27 +230,147 @@ impl Transport for TcpTransport {
                 local: format!("tcp://{local}"),
                 transport: self.clone(),
                 limits,
+                spare_fd: File::open("/dev/null").ok(),
+                refused: 0,
             }) as Box<dyn Listener>)
         })
     }
 }
 
+/// Accepts connections. Errors that concern one connection only (it was
+/// reset or aborted before or while it was set up) drop that connection
+/// and go on at once: they never reach the server's accept loop. At the
+/// process's file-descriptor limit, new connections are refused at once
+/// rather than left waiting in the backlog, using a descriptor kept in
+/// reserve for that (see [`Listener::poll_accept`]'s errors below).
 struct TcpFrameListener {
     listener: TcpListener,
     local: String,
     transport: TcpTransport,
     limits: FrameLimits,
+    /// A descriptor held in reserve: closed to accept (and at once close)
+    /// a connection when the process is out of descriptors.
+    spare_fd: Option<File>,
+    /// Connections refused since descriptors ran out (0: they have not).
+    refused: u64,
+}
+
+impl TcpFrameListener {
+    /// Out of descriptors: closes the spare one, accepts the waiting
+    /// connection with it and closes that at once (its client sees the
+    /// connection end instead of waiting in the backlog), then takes the
+    /// spare back. `None` when there was no spare descriptor to use.
+    fn refuse_one(&mut self, cx: &mut Context<'_>) -> Option<Poll<()>> {
+        drop(self.spare_fd.take()?);
+        // The accepted connection (if any) is closed here, before the spare
+        // is taken back: it uses the same descriptor.
+        let refused = self.listener.poll_accept(cx).map(drop);
+        self.spare_fd = File::open("/dev/null").ok();
+        Some(refused)
+    }
+}
+
+/// Errors of `accept(2)` that concern the connection being accepted, not
+/// the listener: Linux passes pending network errors of the new socket
+/// through `accept`, to be treated like `EAGAIN`.
+fn concerns_one_connection(error: &io::Error) -> bool {
+    use libc::*;
+    matches!(
+        error.raw_os_error(),
+        Some(
+            ECONNABORTED
+                | ECONNRESET
+                | EPROTO
+                | EPERM
+                | EINTR
+                | ENETDOWN
+                | ENOPROTOOPT
+                | EHOSTDOWN
+                | ENONET
+                | EHOSTUNREACH
+                | EOPNOTSUPP
+                | ENETUNREACH
+                | ETIMEDOUT
+        )
+    ) || error.kind() == io::ErrorKind::Interrupted
+}
+
+fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 impl Listener for TcpFrameListener {
+    /// The next connection. Returns an error only for what concerns the
+    /// listener: once when the process runs out of file descriptors
+    /// (connections are then refused at once until one is accepted again),
+    /// and for errors such as `ENOBUFS` or `ENOMEM`, after which the server
+    /// backs off briefly.
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
-        let (stream, _) =
-            ready!(self.listener.poll_accept(cx)).map_err(|e| TransportError::io("accept", e))?;
-        Poll::Ready(self.transport.wrap(stream, self.limits))
+        loop {
+            match ready!(self.listener.poll_accept(cx)) {
+                Ok((stream, from)) => {
+                    if self.refused > 0 {
+                        tracing::info!(
+                            address = %self.local,
+                            "accepting again after refusing {} connections for lack of file descriptors",
+                            self.refused
+                        );
+                        self.refused = 0;
+                    }
+                    if self.spare_fd.is_none() {
+                        self.spare_fd = File::open("/dev/null").ok();
+                    }
+                    match self.transport.wrap(stream, self.limits) {
+                        Ok(connection) => return Poll::Ready(Ok(connection)),
+                        // Reset by its client before it could be set up.
+                        Err(error) => tracing::debug!(%from, "dropped a new connection: {error}"),
+                    }
+                }
+                Err(error) if concerns_one_connection(&error) => {
+                    tracing::debug!(address = %self.local, "a connection failed before it was accepted: {error}");
+                }
+                Err(error) if out_of_descriptors(&error) => {
+                    match self.refuse_one(cx) {
+                        None => return Poll::Ready(Err(TransportError::io("accept", error))),
+                        Some(Poll::Pending) => return Poll::Pending,
+                        Some(Poll::Ready(())) => self.refused += 1,
+                    }
+                    if self.refused == 1 {
+                        let limit = nofile_limit();
+                        return Poll::Ready(Err(TransportError::io(
+                            "accept",
+                            io::Error::new(
+                                error.kind(),
+                                format!(
+                                    "{error}: the process is at its limit of {limit} open files \
+                                     (RLIMIT_NOFILE); refusing new connections until some close"
+                                ),
+                            ),
+                        )));
+                    }
+                }
+                Err(error) => return Poll::Ready(Err(TransportError::io("accept", error))),
+            }
+        }
     }
 
     fn local_addr(&self) -> String {
         self.local.clone()
+    }
+}
+
+/// The process's soft limit of open files, for messages.
+fn nofile_limit() -> String {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes one `rlimit` into the valid, exclusively
+    // borrowed struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        limit.rlim_cur.to_string()
+    } else {
+        "?".into()
     }
 }
 
@@ -505,71 +669,65 @@ async fn write_all(socket: &OwnedWriteHalf, mut bytes: &[u8]) -> io::Result<()> 
     Ok(())
 }
 
-const READ_CHUNK: usize = 64 * 1024;
-
+/// The receiving half: a [`FrameReader`] over the socket, claiming the
+/// transport's [`read budget`](TcpTransport::read_budget) for large frames.
 struct TcpSource {
     socket: OwnedReadHalf,
-    buf: BytesMut,
-    limits: FrameLimits,
-    /// Bytes of an oversized frame still to drop.
-    skip: usize,
+    reader: FrameReader,
+    budget: Arc<ReadBudget>,
+    /// The budget claimed for the large frame being received (0: none).
+    claimed: usize,
     /// Shared with the sink: set for every frame handed up.
     received: Arc<AtomicBool>,
+}
+
+impl TcpSource {
+    fn release_claim(&mut self) {
+        self.budget.release(mem::take(&mut self.claimed));
+    }
 }
 
 impl FrameSource for TcpSource {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         loop {
-            if self.skip > 0 {
-                // The rest of an oversized frame: drop it as it arrives.
-                let dropped = self.skip.min(self.buf.len());
-                self.buf.advance(dropped);
-                self.skip -= dropped;
-            }
-            let mut want = READ_CHUNK;
-            if self.skip == 0 && self.buf.len() >= 4 {
-                let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
-                let max = self.limits.max_frame_len;
-                if len > self.limits.max_skip_len() {
-                    return Poll::Ready(Err(TransportError::FrameTooLarge { len, max }));
-                }
-                let prefix_len = OVERSIZED_PREFIX_LEN.min(len);
-                if len > max && self.buf.len() >= 4 + prefix_len {
-                    let prefix = Bytes::copy_from_slice(&self.buf[4..4 + prefix_len]);
-                    self.skip = 4 + len;
-                    return Poll::Ready(Err(TransportError::Oversized { len, max, prefix }));
-                }
-                if len <= max && self.buf.len() >= 4 + len {
+            match self.reader.next_frame() {
+                Ok(Some(frame)) => {
+                    self.release_claim();
                     // More bytes already here mean more frames, so more
                     // senders to come: only a reader that has caught up with
                     // the peer lets the next send go inline.
                     self.received
-                        .store(self.buf.len() == 4 + len, Ordering::Relaxed);
-                    self.buf.advance(4);
-                    return Poll::Ready(Ok(Some(self.buf.split_to(len).freeze())));
+                        .store(self.reader.is_caught_up(), Ordering::Relaxed);
+                    return Poll::Ready(Ok(Some(frame)));
                 }
-                if len <= max {
-                    want = want.max(4 + len - self.buf.len());
+                Ok(None) => {}
+                Err(error) => {
+                    self.release_claim();
+                    return Poll::Ready(Err(error));
                 }
             }
-            self.buf.reserve(want);
+            if self.claimed == 0 {
+                if let Some(len) = self.reader.large_partial_frame() {
+                    ready!(self.budget.poll_claim(cx, len));
+                    self.claimed = len;
+                }
+            }
             let read = ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.socket),
                 cx,
-                &mut self.buf
+                self.reader.read_buf()
             ))
             .map_err(|e| TransportError::io("read from peer", e))?;
             if read == 0 {
-                return Poll::Ready(if self.buf.is_empty() && self.skip == 0 {
-                    Ok(None)
-                } else {
-                    Err(TransportError::Protocol(format!(
-                        "peer closed the connection inside a frame ({} bytes of it received)",
-                        self.buf.len()
-                    )))
-                });
+                return Poll::Ready(self.reader.end_of_stream());
             }
         }
+    }
+}
+
+impl Drop for TcpSource {
+    fn drop(&mut self) {
+        self.release_claim();
     }
 }
 

@@ -1,0 +1,305 @@
+//! TCP's byte stream cut into frames, with no I/O in it.
+//!
+//! Each frame is a 4-byte little-endian length and that many bytes.
+//! [`FrameReader`] holds what arrived, hands each whole frame out as a
+//! [`Bytes`] slice of its buffer (no copy), skips frames over the limit as
+//! they arrive, and decides how much to read next so that **memory follows
+//! the bytes that arrived, never the length a peer announced**: each read
+//! asks for at most as many bytes again as have arrived, so a partial
+//! frame's buffer grows geometrically with real bytes (capacity ≤ 4 × bytes
+//! received + 2 × [`READ_CHUNK`], and ≤ 2 × the frame's length).
+//!
+//! ```
+//! use rpc_core::transport::FrameLimits;
+//! use transport_tcp::reader::FrameReader;
+//!
+//! let mut reader = FrameReader::new(FrameLimits { max_frame_len: 1 << 20 });
+//! reader.extend_from_slice(&[3, 0, 0, 0, b'a', b'b']);
+//! assert_eq!(reader.next_frame().unwrap(), None); // one byte short
+//! reader.extend_from_slice(b"c");
+//! assert_eq!(reader.next_frame().unwrap().unwrap(), "abc");
+//! ```
+
+use std::io;
+
+use bytes::{Buf, Bytes, BytesMut};
+use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
+
+/// Bytes asked of the socket per read when no partial frame needs more.
+/// Frames up to this size never need the process's read budget.
+pub const READ_CHUNK: usize = 64 * 1024;
+
+const PREFIX_LEN: usize = 4;
+
+/// Cuts a byte stream into frames under [`FrameLimits`].
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: BytesMut,
+    limits: FrameLimits,
+    /// Bytes of an oversized frame still to drop.
+    skip: usize,
+}
+
+impl FrameReader {
+    /// An empty reader.
+    pub fn new(limits: FrameLimits) -> FrameReader {
+        FrameReader {
+            buf: BytesMut::new(),
+            limits,
+            skip: 0,
+        }
+    }
+
+    /// The next whole frame from what arrived; `Ok(None)` when more bytes
+    /// are needed. A frame over the limit is reported once as
+    /// [`TransportError::Oversized`] (with its head, to fail its call) and
+    /// its bytes dropped as they arrive; one over
+    /// [`FrameLimits::max_skip_len`] is [`TransportError::FrameTooLarge`]
+    /// and ends the connection.
+    pub fn next_frame(&mut self) -> Result<Option<Bytes>, TransportError> {
+        if self.skip > 0 {
+            let dropped = self.skip.min(self.buf.len());
+            self.buf.advance(dropped);
+            self.skip -= dropped;
+            if self.skip > 0 {
+                return Ok(None);
+            }
+        }
+        let Some(len) = self.announced() else {
+            return Ok(None);
+        };
+        let max = self.limits.max_frame_len;
+        if len > self.limits.max_skip_len() {
+            return Err(TransportError::FrameTooLarge { len, max });
+        }
+        if len > max {
+            let prefix_len = OVERSIZED_PREFIX_LEN.min(len);
+            if self.buf.len() < PREFIX_LEN + prefix_len {
+                return Ok(None);
+            }
+            let prefix = Bytes::copy_from_slice(&self.buf[PREFIX_LEN..PREFIX_LEN + prefix_len]);
+            self.skip = PREFIX_LEN + len;
+            return Err(TransportError::Oversized { len, max, prefix });
+        }
+        if self.buf.len() < PREFIX_LEN + len {
+            return Ok(None);
+        }
+        self.buf.advance(PREFIX_LEN);
+        Ok(Some(self.buf.split_to(len).freeze()))
+    }
+
+    /// The length the frame at the front announces, once its prefix arrived
+    /// (and no oversized frame is being dropped).
+    fn announced(&self) -> Option<usize> {
+        if self.skip > 0 || self.buf.len() < PREFIX_LEN {
+            return None;
+        }
+        let prefix = self.buf[..PREFIX_LEN].try_into().expect("4 bytes");
+        Some(u32::from_le_bytes(prefix) as usize)
+    }
+
+    /// The length of the frame at the front when it is deliverable, larger
+    /// than [`READ_CHUNK`] and not all here: the frames that need the
+    /// process's read budget before more of them is read.
+    pub fn large_partial_frame(&self) -> Option<usize> {
+        let len = self.announced()?;
+        let incomplete = self.buf.len() < PREFIX_LEN + len;
+        (len > READ_CHUNK && len <= self.limits.max_frame_len && incomplete).then_some(len)
+    }
+
+    /// How many bytes the next read should ask for: [`READ_CHUNK`], or for a
+    /// large partial frame what it still lacks, but at most as much again as
+    /// has arrived (so the buffer grows geometrically with real bytes).
+    pub fn wanted(&self) -> usize {
+        let Some(len) = self.announced().filter(|&l| l <= self.limits.max_frame_len) else {
+            return READ_CHUNK;
+        };
+        let missing = (PREFIX_LEN + len).saturating_sub(self.buf.len());
+        missing.min(self.buf.len()).max(READ_CHUNK)
+    }
+
+    /// The buffer to read into, with room for [`wanted`](Self::wanted) bytes.
+    pub fn read_buf(&mut self) -> &mut BytesMut {
+        let want = self.wanted();
+        self.buf.reserve(want);
+        &mut self.buf
+    }
+
+    /// Appends bytes that arrived (what a read into
+    /// [`read_buf`](Self::read_buf) does; for tests and fuzzing).
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let n = self.wanted().min(rest.len());
+            self.read_buf().extend_from_slice(&rest[..n]);
+            rest = &rest[n..];
+        }
+    }
+
+    /// True when nothing is buffered: the reader has caught up with the peer.
+    pub fn is_caught_up(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Bytes buffered and not yet handed out.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The buffer's capacity (what it holds in memory).
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// What the peer closing its side now means: `Ok(None)` at a frame
+    /// boundary (an orderly end), else an `UnexpectedEof` I/O error saying
+    /// how much of which frame arrived.
+    pub fn end_of_stream(&self) -> Result<Option<Bytes>, TransportError> {
+        if self.buf.is_empty() && self.skip == 0 {
+            return Ok(None);
+        }
+        let what = match self.announced() {
+            Some(len) => format!(
+                "after {} of the {len} bytes of a frame",
+                self.buf.len() - PREFIX_LEN
+            ),
+            None if self.skip > 0 => format!(
+                "with {} bytes of an oversized frame not yet sent",
+                self.skip - self.buf.len()
+            ),
+            None => format!("after {} of a frame's 4 length bytes", self.buf.len()),
+        };
+        Err(TransportError::io(
+            "read from peer",
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("peer closed the connection {what}"),
+            ),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: usize = 64 << 20;
+
+    fn reader() -> FrameReader {
+        FrameReader::new(FrameLimits { max_frame_len: MAX })
+    }
+
+    fn framed(body: &[u8]) -> Vec<u8> {
+        let mut v = (body.len() as u32).to_le_bytes().to_vec();
+        v.extend_from_slice(body);
+        v
+    }
+
+    #[test]
+    fn an_announced_maximal_frame_reserves_nothing_for_bytes_not_sent() {
+        let mut r = reader();
+        r.extend_from_slice(&(MAX as u32).to_le_bytes());
+        r.extend_from_slice(&[7; 100]);
+        assert_eq!(r.next_frame().unwrap(), None);
+        let _ = r.read_buf();
+        assert!(
+            r.capacity() <= 2 * READ_CHUNK,
+            "capacity {} for 104 bytes received",
+            r.capacity()
+        );
+        assert_eq!(r.large_partial_frame(), Some(MAX));
+    }
+
+    #[test]
+    fn capacity_grows_with_the_bytes_that_arrived() {
+        let mut r = reader();
+        r.extend_from_slice(&(MAX as u32).to_le_bytes());
+        let mut received = 4;
+        for _ in 0..200 {
+            let n = r.wanted().min(37_000);
+            r.read_buf().extend_from_slice(&vec![1; n]);
+            received += n;
+            assert!(
+                r.capacity() <= 4 * received + 2 * READ_CHUNK,
+                "capacity {} after {received} bytes",
+                r.capacity()
+            );
+        }
+    }
+
+    #[test]
+    fn a_maximal_frame_fed_in_pieces_arrives_intact() {
+        let body: Vec<u8> = (0..MAX).map(|i| (i * 31 % 251) as u8).collect();
+        let mut wire = framed(&body);
+        wire.extend_from_slice(&framed(b"next"));
+        let mut r = reader();
+        let mut frames = Vec::new();
+        for piece in wire.chunks(1_000_003) {
+            r.extend_from_slice(piece);
+            while let Some(frame) = r.next_frame().unwrap() {
+                frames.push(frame);
+            }
+        }
+        assert_eq!(frames.len(), 2);
+        assert!(frames[0] == body[..], "the 64 MiB frame differs");
+        assert_eq!(frames[1], "next");
+        assert!(r.is_caught_up());
+    }
+
+    #[test]
+    fn frames_split_at_every_byte_arrive_whole_and_in_order() {
+        let wire: Vec<u8> = [framed(b""), framed(b"a"), framed(&[9; 300])].concat();
+        let mut r = reader();
+        let mut frames = Vec::new();
+        for byte in &wire {
+            r.extend_from_slice(std::slice::from_ref(byte));
+            while let Some(frame) = r.next_frame().unwrap() {
+                frames.push(frame);
+            }
+        }
+        assert_eq!(frames, [&b""[..], b"a", &[9; 300]]);
+    }
+
+    #[test]
+    fn an_oversized_frame_is_reported_with_its_head_then_dropped() {
+        let mut r = FrameReader::new(FrameLimits { max_frame_len: 100 });
+        let body: Vec<u8> = (0..150u8).collect();
+        r.extend_from_slice(&framed(&body));
+        r.extend_from_slice(&framed(b"ok"));
+        match r.next_frame() {
+            Err(TransportError::Oversized { len, max, prefix }) => {
+                assert_eq!((len, max), (150, 100));
+                assert_eq!(prefix[..], body[..OVERSIZED_PREFIX_LEN]);
+            }
+            other => panic!("expected Oversized, got {other:?}"),
+        }
+        assert_eq!(r.next_frame().unwrap().unwrap(), "ok");
+    }
+
+    #[test]
+    fn a_frame_past_the_skip_limit_ends_the_connection() {
+        let mut r = FrameReader::new(FrameLimits { max_frame_len: 100 });
+        r.extend_from_slice(&401u32.to_le_bytes());
+        assert!(matches!(
+            r.next_frame(),
+            Err(TransportError::FrameTooLarge { len: 401, max: 100 })
+        ));
+    }
+
+    #[test]
+    fn end_of_stream_inside_a_frame_is_an_unexpected_eof_not_a_protocol_error() {
+        let mut r = reader();
+        assert!(matches!(r.end_of_stream(), Ok(None)));
+        r.extend_from_slice(&framed(b"abcdef")[..7]);
+        match r.end_of_stream() {
+            Err(TransportError::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
+                assert!(
+                    source.to_string().contains("after 3 of the 6 bytes"),
+                    "{source}"
+                );
+            }
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+    }
+}
