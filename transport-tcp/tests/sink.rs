@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
 use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use transport_tcp::TcpTransport;
 
@@ -231,4 +231,25 @@ async fn close_sends_every_accepted_frame_then_end_of_stream() {
         next, [200; 4],
         "every accepted frame arrived before end-of-stream"
     );
+}
+
+#[tokio::test]
+async fn sink_still_sends_after_the_source_sees_end_of_stream() {
+    // A peer that shut down its write side (half-close) still gets replies:
+    // end-of-stream on the read half closes nothing on the write half.
+    let (mut connection, mut peer) = connect(TcpTransport::default()).await;
+    peer.shutdown().await.unwrap();
+    let received = std::future::poll_fn(|cx| connection.source.poll_recv(cx)).await;
+    assert!(
+        matches!(received, Ok(None)),
+        "end-of-stream, cleanly: {received:?}"
+    );
+    drop(connection.source);
+    send(&*connection.sink, 1, &payload(1, 0, 100))
+        .await
+        .unwrap();
+    let frame = read_frame(&mut peer).await.expect("the reply arrives");
+    check(&frame, 1, 0, 100);
+    connection.sink.close();
+    assert!(read_frame(&mut peer).await.is_none(), "then end-of-stream");
 }
