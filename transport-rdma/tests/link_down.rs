@@ -47,8 +47,7 @@
 //! connection.
 
 mod common;
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::process::Command;
 use std::sync::atomic::Ordering;

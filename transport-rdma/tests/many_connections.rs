@@ -7,8 +7,7 @@
 //! runs it over its own device.
 
 mod common;
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use bytes::Bytes;
 use common::TestEnv;

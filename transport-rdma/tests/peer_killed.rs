@@ -6,8 +6,7 @@
 //! do nothing unless the parent set their environment variable).
 
 mod common;
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;

@@ -31,8 +31,7 @@ use rpc_core::transport::FrameLimits;
 use rpc_core::{BytesCodec, Channel, Client, Request};
 use transport_rdma::RdmaTransport;
 
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 const LIMITS: FrameLimits = FrameLimits {
     max_frame_len: 64 << 20,

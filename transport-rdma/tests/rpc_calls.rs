@@ -1,4 +1,4 @@
-//! rpc-core's integration cases (`rpc-core/tests/support/cases.rs`) over
+//! The shared integration cases (`rpc-test-support`, all of them) over
 //! `rdma://` on a real device: every call kind, failures, flow control,
 //! kills, and payload sizes around every threshold of this transport.
 //!
@@ -6,8 +6,7 @@
 //! two-host run each side runs these over its own device.
 
 mod common;
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use support::cases::Profile;
 
@@ -42,24 +41,4 @@ macro_rules! on_rdma {
     };
 }
 
-on_rdma!(
-    unary_round_trips_message_and_metadata,
-    handler_errors_arrive_with_code_message_and_trailers,
-    server_streaming_delivers_every_message_in_order,
-    client_streaming_sums_every_message,
-    bidi_streaming_answers_each_message,
-    thousands_of_concurrent_calls_on_one_channel_none_mixed_up,
-    deadline_fails_the_call_and_cancels_the_handler,
-    dropping_the_call_cancels_the_handler,
-    unknown_service_and_method_are_unimplemented,
-    panicking_handler_fails_only_its_call,
-    oversized_messages_fail_with_resource_exhausted_and_the_connection_survives,
-    slow_reader_holds_back_a_streaming_server,
-    slow_handler_holds_back_a_streaming_client,
-    killed_server_fails_pending_calls_and_the_channel_reconnects,
-    graceful_shutdown_lets_calls_in_flight_finish,
-    empty_and_large_messages_arrive_intact,
-    keepalive_pings_do_not_disturb_a_slow_call,
-    dropping_a_response_stream_stops_the_server_stream,
-    calls_over_the_concurrency_limit_are_refused,
-);
+rpc_test_support::for_each_case!(on_rdma);

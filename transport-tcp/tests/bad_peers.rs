@@ -1,8 +1,7 @@
 //! Peers that break the protocol, at the byte level: the offending
 //! connection is closed with a reason, everything else keeps working.
 
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::time::Duration;
 

@@ -3,8 +3,7 @@
 //! with a timeout of zero is answered `DeadlineExceeded` without running, and
 //! a request stream that ignores the server's window is cut off.
 
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -6,8 +6,7 @@
 //! `setrlimit`, so the limit never applies to the test process itself. A
 //! child test run by hand, without its parent's environment, fails.
 
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::future::poll_fn;
 use std::io::{BufRead, BufReader};

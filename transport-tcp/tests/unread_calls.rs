@@ -4,8 +4,7 @@
 //! One test in this binary: it measures the process's resident memory, which
 //! another test running alongside would disturb.
 
-#[path = "../../rpc-core/tests/support/mod.rs"]
-mod support;
+use rpc_test_support as support;
 
 use std::time::Duration;
 

@@ -1,7 +1,11 @@
 //! The runtime's integration cases, each an `async fn(listen_address, &Profile)`:
 //! every call kind and every failure a caller can see. Each transport's
 //! suite runs them on its own addresses (`rpc-core/tests/calls.rs` for
-//! `mem://` and `tcp://`, `transport-rdma/tests/rpc_calls.rs` for `rdma://`).
+//! `mem://` and `tcp://`, `transport-rdma/tests/rpc_calls.rs` for `rdma://`),
+//! all of them, through [`for_each_case!`](crate::for_each_case).
+
+// Each case's name says what it checks; its body is the check.
+#![allow(missing_docs)]
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -10,7 +14,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
 
-use super::{count_message, count_request, eventually, TestServer};
+use crate::{count_message, count_request, eventually, TestServer};
 
 /// What a transport's suite adapts: load and message sizes.
 pub struct Profile {
@@ -683,4 +687,35 @@ pub async fn calls_over_the_concurrency_limit_are_refused(listen: String, _profi
         .await;
     assert_eq!(reply.unwrap().into_inner(), "room again");
     server.stop().await;
+}
+
+/// Calls `$runner!(case, case, ...)` with the name of every case in this
+/// module: the one list of shared cases. A suite's runner macro turns each
+/// name into a test over its transport (see the crate docs).
+#[macro_export]
+macro_rules! for_each_case {
+    ($runner:ident) => {
+        $runner!(
+            unary_round_trips_message_and_metadata,
+            handler_errors_arrive_with_code_message_and_trailers,
+            server_streaming_delivers_every_message_in_order,
+            client_streaming_sums_every_message,
+            bidi_streaming_answers_each_message,
+            thousands_of_concurrent_calls_on_one_channel_none_mixed_up,
+            deadline_fails_the_call_and_cancels_the_handler,
+            zero_timeout_fails_at_once_without_sending,
+            dropping_the_call_cancels_the_handler,
+            unknown_service_and_method_are_unimplemented,
+            panicking_handler_fails_only_its_call,
+            oversized_messages_fail_with_resource_exhausted_and_the_connection_survives,
+            slow_reader_holds_back_a_streaming_server,
+            slow_handler_holds_back_a_streaming_client,
+            killed_server_fails_pending_calls_and_the_channel_reconnects,
+            graceful_shutdown_lets_calls_in_flight_finish,
+            empty_and_large_messages_arrive_intact,
+            keepalive_pings_do_not_disturb_a_slow_call,
+            dropping_a_response_stream_stops_the_server_stream,
+            calls_over_the_concurrency_limit_are_refused,
+        );
+    };
 }

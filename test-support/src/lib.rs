@@ -1,7 +1,21 @@
-//! A test service written against `rpc_core::codegen` by hand (raw bytes, no
-//! protobuf), and helpers to run it on any transport. Transport crates include
-//! this file to run the same calls over their own addresses.
-#![allow(dead_code, unreachable_pub)]
+//! What every transport's test suite shares: a test service written against
+//! `rpc_core::codegen` by hand (raw bytes, no protobuf), a test server, and
+//! the integration [`cases`], listed once in [`for_each_case!`] so that each
+//! suite runs all of them over its own addresses without copying the list.
+//!
+//! ```ignore
+//! macro_rules! over_my_transport {
+//!     ($($case:ident),* $(,)?) => {$(
+//!         #[tokio::test]
+//!         async fn $case() {
+//!             my_transport::install();
+//!             let profile = rpc_test_support::cases::Profile::standard();
+//!             rpc_test_support::cases::$case("my://127.0.0.1:0".into(), &profile).await
+//!         }
+//!     )*};
+//! }
+//! rpc_test_support::for_each_case!(over_my_transport);
+//! ```
 
 pub mod cases;
 
@@ -29,6 +43,7 @@ pub struct Probes {
 /// Sum (client streaming); Chat (bidi); Hold (client streaming that waits before reading).
 #[derive(Clone, Default)]
 pub struct TestService {
+    /// What the handlers did, for the tests to read.
     pub probes: Arc<Probes>,
 }
 
@@ -160,9 +175,12 @@ impl Service for TestService {
 
 /// A running test server; dropping the handle does not stop it, `stop` does.
 pub struct TestServer {
+    /// The address it listens on, port chosen.
     pub address: String,
+    /// Its service's probes.
     pub probes: Arc<Probes>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The serving task: it ends when the server stops.
     pub task: tokio::task::JoinHandle<Result<(), rpc_core::ServeError>>,
 }
 
