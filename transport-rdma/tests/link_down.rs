@@ -477,9 +477,10 @@ async fn expect_all_fail(calls: InFlight, cut: Instant) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn child_link_down() {
-    if std::env::var_os(CHILD).is_none() {
-        return; // run directly: the parent runs it as a child
-    }
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "the child half of a test: its parent runs it"
+    );
     init_tracing();
     let env = TestEnv::from_env();
     transport_rdma::install();
@@ -521,9 +522,10 @@ async fn child_link_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn child_fresh_connection() {
-    if std::env::var_os(CHILD).is_none() {
-        return; // run directly: the parent runs it as a child
-    }
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "the child half of a test: its parent runs it"
+    );
     let env = TestEnv::from_env();
     transport_rdma::install();
     let (_, address, stop, server) = start_server(&env.local_listen(), None).await;
@@ -639,9 +641,10 @@ async fn wire_client(env: &TestEnv, address: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn child_wire_cut() {
-    if std::env::var_os(CHILD).is_none() {
-        return; // run directly: the parent runs it as a child
-    }
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "the child half of a test: its parent runs it"
+    );
     init_tracing();
     let env = TestEnv::from_env();
     transport_rdma::install();

@@ -483,7 +483,9 @@ pub(crate) fn run_rdma_tests() -> Result<(), String> {
     let mut command = vec![
         "sh".to_string(),
         "-c".into(),
-        "rc=0; for t in \"$@\"; do echo \"== $t\"; \"$t\" --ignored --test-threads=1 || rc=1; done; exit $rc".into(),
+        // `child_*` tests are halves their parents run in another process;
+        // alone they fail, so the suite skips them.
+        "rc=0; for t in \"$@\"; do echo \"== $t\"; \"$t\" --ignored --test-threads=1 --skip child_ || rc=1; done; exit $rc".into(),
         "sh".into(),
     ];
     command.extend(
