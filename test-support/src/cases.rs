@@ -14,7 +14,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
 
-use crate::{count_message, count_request, eventually, TestServer};
+use crate::{count_message, count_request, TestServer};
 
 /// What a transport's suite adapts: load and message sizes.
 pub struct Profile {
@@ -190,11 +190,12 @@ pub async fn deadline_fails_the_call_and_cancels_the_handler(listen: String, _pr
     );
     let probes = &server.probes;
     assert!(
-        eventually(Duration::from_secs(5), || probes
-            .cancelled
-            .load(Ordering::SeqCst)
-            == 1)
-        .await,
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .cancelled
+                .load(Ordering::SeqCst)
+                == 1)
+            .await,
         "the handler was not cancelled"
     );
     // The connection is still good.
@@ -269,15 +270,16 @@ pub async fn dropping_the_call_cancels_the_handler(listen: String, _profile: &Pr
     let probes = &server.probes;
     tokio::select! {
         _ = call => panic!("a 10 s call finished"),
-        _ = eventually(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == 1) => {}
+        _ = probes.wait_until(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == 1) => {}
     }
     // The call future is dropped here.
     assert!(
-        eventually(Duration::from_secs(5), || probes
-            .cancelled
-            .load(Ordering::SeqCst)
-            == 1)
-        .await,
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .cancelled
+                .load(Ordering::SeqCst)
+                == 1)
+            .await,
         "the handler kept running after the caller went away"
     );
     server.stop().await;
@@ -474,11 +476,12 @@ pub async fn killed_server_fails_pending_calls_and_the_channel_reconnects(
         .collect();
     let probes = std::sync::Arc::clone(&server.probes);
     assert!(
-        eventually(Duration::from_secs(5), || probes
-            .sleeping
-            .load(Ordering::SeqCst)
-            == 20)
-        .await
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == 20)
+            .await
     );
     let killed = Instant::now();
     server.kill().await;
@@ -535,11 +538,12 @@ pub async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String, _prof
     };
     let probes = std::sync::Arc::clone(&server.probes);
     assert!(
-        eventually(Duration::from_secs(5), || probes
-            .sleeping
-            .load(Ordering::SeqCst)
-            == 1)
-        .await
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == 1)
+            .await
     );
     server.stop().await; // returns once drained
     assert_eq!(in_flight.await.unwrap().unwrap().into_inner(), "slept");
@@ -665,11 +669,12 @@ pub async fn calls_over_the_concurrency_limit_are_refused(listen: String, _profi
         .collect();
     let probes = std::sync::Arc::clone(&server.probes);
     assert!(
-        eventually(Duration::from_secs(5), || probes
-            .sleeping
-            .load(Ordering::SeqCst)
-            == 2)
-        .await
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == 2)
+            .await
     );
     let status = client
         .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))

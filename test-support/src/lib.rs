@@ -23,12 +23,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
+
 use bytes::Bytes;
 use futures::StreamExt;
 use rpc_core::codegen::{self, BoxFuture, ServerCall, Service};
 use rpc_core::{BytesCodec, Request, Response, ServerBuilder, Status, Streaming};
 
-/// Counters the tests read to see what the server did.
+/// Counters the tests read to see what the server did; tests wait on them
+/// with [`Probes::wait_until`], woken by each change (no polling).
 #[derive(Default)]
 pub struct Probes {
     /// Messages the `Count` stream has produced.
@@ -37,6 +40,34 @@ pub struct Probes {
     pub cancelled: AtomicUsize,
     /// `Sleep` handlers that started.
     pub sleeping: AtomicUsize,
+    changed: Notify,
+}
+
+impl Probes {
+    fn bump(&self, counter: &AtomicUsize) {
+        counter.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    /// Waits until `condition` holds, checking it again at each change of a
+    /// probe; false if `within` passes first (the bound only fails the
+    /// test: it is never what the test waits for).
+    pub async fn wait_until(&self, within: Duration, mut condition: impl FnMut() -> bool) -> bool {
+        let wait = async {
+            loop {
+                let changed = self.changed.notified();
+                let mut changed = std::pin::pin!(changed);
+                // Registered before the check: a change between the check
+                // and the await still wakes it.
+                changed.as_mut().enable();
+                if condition() {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(within, wait).await.is_ok()
+    }
 }
 
 /// `test.Test`: Echo, Fail, Sleep, Panic (unary); Count (server streaming);
@@ -52,7 +83,7 @@ struct CancelProbe(Arc<Probes>, bool);
 impl Drop for CancelProbe {
     fn drop(&mut self) {
         if !self.1 {
-            self.0.cancelled.fetch_add(1, Ordering::SeqCst);
+            self.0.bump(&self.0.cancelled);
         }
     }
 }
@@ -105,7 +136,7 @@ impl Service for TestService {
             "Sleep" => codegen::unary::<BytesCodec, _, _>(
                 call,
                 move |request: Request<Bytes>| async move {
-                    probes.sleeping.fetch_add(1, Ordering::SeqCst);
+                    probes.bump(&probes.sleeping);
                     let mut probe = CancelProbe(Arc::clone(&probes), false);
                     let millis = u32_at(&request.into_inner(), 0);
                     tokio::time::sleep(Duration::from_millis(millis.into())).await;
@@ -127,7 +158,7 @@ impl Service for TestService {
                     let body = request.into_inner();
                     let (n, size) = (u32_at(&body, 0), u32_at(&body, 4));
                     let stream = futures::stream::iter(0..n).map(move |i| {
-                        probes.produced.fetch_add(1, Ordering::SeqCst);
+                        probes.bump(&probes.produced);
                         Ok(count_message(i, size))
                     });
                     Ok(Response::new(stream))
@@ -232,7 +263,9 @@ pub fn mem_address() -> String {
     )
 }
 
-/// Polls `condition` every 10 ms until it holds or `within` passes.
+/// Polls `condition` every 10 ms until it holds or `within` passes: only for
+/// conditions no event announces (an operating-system counter); wait on the
+/// service's [`Probes::wait_until`] instead.
 pub async fn eventually(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + within;
     while tokio::time::Instant::now() < deadline {

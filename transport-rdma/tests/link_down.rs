@@ -58,7 +58,7 @@ use bytes::Bytes;
 use common::{Role, TestEnv};
 use rpc_core::codegen::{self, BoxFuture, ServerCall, Service};
 use rpc_core::{BytesCodec, Client, Code, Endpoint, Request, Response, Server, Status};
-use support::{count_request, eventually, Probes, TestService};
+use support::{count_request, Probes, TestService};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -490,11 +490,12 @@ async fn child_link_down() {
     let busy = connect(&address, Duration::from_secs(10)).await;
     let calls = start_calls(&idle, &busy).await;
     assert!(
-        eventually(Duration::from_secs(30), || probes
-            .sleeping
-            .load(Ordering::SeqCst)
-            == CALLS)
-        .await,
+        probes
+            .wait_until(Duration::from_secs(30), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == CALLS)
+            .await,
         "the sleeping calls never all reached the server"
     );
     let cut = Instant::now();
@@ -502,11 +503,12 @@ async fn child_link_down() {
     expect_all_fail(calls, cut).await;
     // The server side of the connection failed the same way.
     assert!(
-        eventually(FAIL_WITHIN.saturating_sub(cut.elapsed()), || probes
-            .cancelled
-            .load(Ordering::SeqCst)
-            == CALLS)
-        .await,
+        probes
+            .wait_until(FAIL_WITHIN.saturating_sub(cut.elapsed()), || probes
+                .cancelled
+                .load(Ordering::SeqCst)
+                == CALLS)
+            .await,
         "the server's handlers were not all cancelled {FAIL_WITHIN:?} after the cut: {} of {CALLS}",
         probes.cancelled.load(Ordering::SeqCst)
     );
@@ -567,21 +569,23 @@ fn a_link_down_fails_calls_in_flight_and_the_device_recovers() {
 async fn wire_server(address: &str) {
     let (probes, _, stop, server) = start_server(address, Some(KEEPALIVE)).await;
     assert!(
-        eventually(Duration::from_secs(180), || probes
-            .sleeping
-            .load(Ordering::SeqCst)
-            == CALLS)
-        .await,
+        probes
+            .wait_until(Duration::from_secs(180), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == CALLS)
+            .await,
         "the client's calls never all arrived: {} of {CALLS}",
         probes.sleeping.load(Ordering::SeqCst)
     );
     let running = Instant::now();
     assert!(
-        eventually(SERVER_NOTICES_WITHIN, || probes
-            .cancelled
-            .load(Ordering::SeqCst)
-            == CALLS)
-        .await,
+        probes
+            .wait_until(SERVER_NOTICES_WITHIN, || probes
+                .cancelled
+                .load(Ordering::SeqCst)
+                == CALLS)
+            .await,
         "the server's handlers still ran {SERVER_NOTICES_WITHIN:?} after the client's calls \
          arrived (its link was cut right after): {} of {CALLS} ended",
         probes.cancelled.load(Ordering::SeqCst)

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::TestEnv;
 use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
-use support::{eventually, TestServer};
+use support::TestServer;
 
 /// A child process, killed when dropped (also when the test fails).
 struct ChildGuard(Child);
@@ -181,21 +181,23 @@ async fn killed_client_process_cancels_its_handlers_and_the_server_goes_on() {
         let mut child = spawn_child("child_client", "RPC_CHILD_CALL", &server.address);
         let probes = std::sync::Arc::clone(&server.probes);
         assert!(
-            eventually(Duration::from_secs(60), || probes
-                .sleeping
-                .load(Ordering::SeqCst)
-                == sleeping + 20)
-            .await,
+            probes
+                .wait_until(Duration::from_secs(60), || probes
+                    .sleeping
+                    .load(Ordering::SeqCst)
+                    == sleeping + 20)
+                .await,
             "round {round}: the child's calls never reached the server"
         );
         child.kill();
         let killed = Instant::now();
         assert!(
-            eventually(Duration::from_secs(5), || probes
-                .cancelled
-                .load(Ordering::SeqCst)
-                == before + 20)
-            .await,
+            probes
+                .wait_until(Duration::from_secs(5), || probes
+                    .cancelled
+                    .load(Ordering::SeqCst)
+                    == before + 20)
+                .await,
             "round {round}: the dead client's handlers kept running"
         );
         eprintln!(

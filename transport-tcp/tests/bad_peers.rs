@@ -306,7 +306,7 @@ async fn client_that_goes_silent_has_its_handlers_cancelled() {
     raw.write_all(&with_prefix(&frame)).await.unwrap();
     // The raw client never answers pings.
     let probes = std::sync::Arc::clone(&server.probes);
-    let cancelled = support::eventually(Duration::from_secs(5), || {
+    let cancelled = probes.wait_until(Duration::from_secs(5), || {
         probes.cancelled.load(std::sync::atomic::Ordering::SeqCst) == 1
     });
     assert!(
