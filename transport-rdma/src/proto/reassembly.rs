@@ -123,8 +123,9 @@ impl Reassembly {
                     "frame complete but chunk not marked last",
                 ));
             }
-            let mut buf = Vec::with_capacity(total);
-            buf.extend_from_slice(data);
+            // Only the bytes that arrived: the peer's `total` must not
+            // decide how much memory is reserved (the buffer grows with the chunks).
+            let buf = data.to_vec();
             self.state = State::Collecting { total, buf };
             return Ok(None);
         }
@@ -210,6 +211,18 @@ mod tests {
             r.chunk(FIRST, 11, b"x"),
             Ok(Some(Assembled::TooLarge { len: 11 }))
         );
+    }
+
+    /// Found by the `rdma_reassembly` fuzz target: a 1-byte first chunk
+    /// announcing a 32 MiB frame reserved the 32 MiB at once.
+    #[test]
+    fn memory_held_follows_the_bytes_that_arrived_not_the_announced_total() {
+        let mut r = Reassembly::new(64 << 20, 64 << 20, 4);
+        assert_eq!(r.chunk(FIRST, 32 << 20, b"x"), Ok(None));
+        let State::Collecting { buf, .. } = &r.state else {
+            panic!("not collecting: {:?}", r.state);
+        };
+        assert!(buf.capacity() < 4096, "holds {} bytes", buf.capacity());
     }
 
     #[test]
