@@ -5,15 +5,17 @@
 //! - `cargo xtask rxe -- COMMAND`: run COMMAND against Soft-RoCE in a VM.
 //! - `cargo xtask rxe-baseline`: perftest numbers on that device.
 //! - `cargo xtask bench [--quick] [--tcp|--rdma]`: end-to-end benchmark against tonic and raw TCP, and over RDMA against perftest.
+//! - `cargo xtask fuzz [--minutes N] [TARGET...]`: the fuzz targets in `fuzz/` (not run in CI).
 
 mod bench;
+mod fuzz;
 mod rxe;
 mod setup;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | bench>
+const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | bench | fuzz>
 
   demo          run the greeter server and client (the main job)
   test          run every test (installs what it needs first; RDMA tests
@@ -22,6 +24,8 @@ const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | benc
   rxe-baseline  perftest numbers on that device
   bench         end-to-end benchmark: rdma-rpc vs tonic vs raw TCP; over rdma:// vs perftest (Soft-RoCE)
                 (--quick for a short run; see below)
+  fuzz          run the fuzz targets (cargo-fuzz, stable toolchain) for
+                --minutes N each (default 1); not part of CI or `test`
 
 details of rxe and rxe-baseline:";
 
@@ -34,8 +38,14 @@ fn main() -> ExitCode {
         Some("rxe") => return rxe::rxe_main(&args[1..]),
         Some("rxe-baseline") => return rxe::baseline_main(&args[1..]),
         Some("bench") => bench::bench_main(&args[1..]),
+        Some("fuzz") => fuzz::fuzz_main(&args[1..]),
         Some("-h" | "--help") => {
-            println!("{USAGE}\n{}\n{}", rxe::RXE_USAGE, bench::BENCH_USAGE);
+            println!(
+                "{USAGE}\n{}\n{}\n{}",
+                rxe::RXE_USAGE,
+                bench::BENCH_USAGE,
+                fuzz::FUZZ_USAGE
+            );
             Ok(())
         }
         _ => Err(USAGE.to_string()),
