@@ -24,10 +24,17 @@ impl Service for Echo {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().unwrap()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().unwrap())
+        .collect();
     let (calls, size) = (args[0], args[1]);
     transport_tcp::install();
-    let server = Server::builder().add_service(Echo).bind("tcp://127.0.0.1:0").await.unwrap();
+    let server = Server::builder()
+        .add_service(Echo)
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap();
     let address = server.local_addr().to_string();
     tokio::spawn(server.serve());
     let client = Client::new(Channel::connect(&address).await.unwrap());
