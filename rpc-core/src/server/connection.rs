@@ -172,12 +172,7 @@ impl ServerConn {
                     backlog.refuse(&*self.sink, id, status);
                     return Ok(());
                 }
-                if let Some(len) = frame
-                    .payload
-                    .as_ref()
-                    .map(Bytes::len)
-                    .filter(|&l| l > self.routes.max_message_size)
-                {
+                if let Some(len) = self.oversized(frame.payload.as_ref()) {
                     return self.refuse_oversized(
                         id,
                         FrameKind::Request,
@@ -196,12 +191,7 @@ impl ServerConn {
                 );
             }
             FrameBody::Message => {
-                if let Some(len) = frame
-                    .payload
-                    .as_ref()
-                    .map(Bytes::len)
-                    .filter(|&l| l > self.routes.max_message_size)
-                {
+                if let Some(len) = self.oversized(frame.payload.as_ref()) {
                     return self.refuse_oversized(
                         id,
                         FrameKind::Message,
@@ -330,6 +320,13 @@ impl ServerConn {
                 )));
             }
         }
+    }
+
+    /// The length of `payload` when it is over the server's maximum message size.
+    fn oversized(&self, payload: Option<&Bytes>) -> Option<usize> {
+        payload
+            .map(Bytes::len)
+            .filter(|&len| len > self.routes.max_message_size)
     }
 
     /// Fails the call a too-large request message belongs to; the connection goes on.
