@@ -3,7 +3,7 @@
 //! run as plain tests (the committed seeds, any reproducer).
 //!
 //! Every target drives the code that ships (`rpc_core::frame`,
-//! `transport_rdma::proto`), never a copy of its logic; the checks are the
+//! `transport_rdma::proto`, `transport_tcp::reader`), never a copy of its logic; the checks are the
 //! properties the peer must not be able to break.
 
 pub mod alloc_meter;
@@ -14,6 +14,7 @@ pub mod rdma_hello;
 pub mod rdma_reassembly;
 pub mod rdma_region;
 pub mod seeds;
+pub mod tcp_reader;
 
 /// Runs `target`'s checks on one input as libFuzzer would: bytes as they
 /// are, or decoded into the structured input the way `fuzz_target!` does
@@ -39,6 +40,7 @@ pub fn run_input(target: &str, data: &[u8]) -> bool {
         "rdma_region" => structured(data, rdma_region::check),
         "rdma_reassembly" => structured(data, rdma_reassembly::check),
         "rdma_credit" => structured(data, rdma_credit::check),
+        "tcp_reader" => structured(data, tcp_reader::check),
         other => panic!("no fuzz target {other}"),
     }
 }

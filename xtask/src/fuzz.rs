@@ -27,6 +27,7 @@ const TARGETS: &[&str] = &[
     "rdma_region",
     "rdma_reassembly",
     "rdma_credit",
+    "tcp_reader",
 ];
 
 /// What one target's run came to.
