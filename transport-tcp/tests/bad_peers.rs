@@ -6,6 +6,7 @@ use rpc_test_support as support;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
 use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, MetadataMap, Request};
 use support::TestServer;
@@ -414,4 +415,73 @@ async fn unary_error_status_reaches_the_caller_even_after_a_message() {
     let status = unary_against(&address).await.unwrap_err();
     assert_eq!(status.code(), Code::NotFound, "{status}");
     assert_eq!(status.message(), "no such thing");
+}
+
+/// A server that ignores the window the client grants on a response stream:
+/// the client fails that call with `ResourceExhausted` once the server starts
+/// a message beyond the window (what the client buffers stays bounded), tells
+/// the server (a `Cancel` frame), and the connection goes on.
+#[tokio::test]
+async fn server_ignoring_the_response_window_fails_that_call_only() {
+    transport_tcp::install();
+    const MESSAGE: usize = 1024;
+    const SENT: usize = 200; // 200 KiB against the protocol's 64 KiB initial window
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    let (cancelled_tx, cancelled_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let request = read_frame(&mut socket).await.unwrap();
+        let payload = Bytes::from(vec![7u8; MESSAGE]);
+        for _ in 0..SENT {
+            let frame = OutFrame::control(request.call_id, OutBody::Message, false)
+                .with_payload(&payload)
+                .to_bytes();
+            socket.write_all(&with_prefix(&frame)).await.unwrap();
+        }
+        // The client's answer to the flood: a Cancel for that call.
+        while let Some(frame) = read_frame(&mut socket).await {
+            if frame.call_id == request.call_id && matches!(frame.body, FrameBody::Cancel) {
+                let _ = cancelled_tx.send(());
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+
+    // The smallest window the client grants: the protocol's initial 64 KiB.
+    let channel = Endpoint::new(&address)
+        .unwrap()
+        .stream_window(0)
+        .connect()
+        .await
+        .unwrap();
+    let client = Client::new(channel);
+    let mut stream = client
+        .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(Bytes::new()))
+        .await
+        .unwrap()
+        .into_inner();
+    // Nothing is read until the server has sent its flood and been refused.
+    tokio::time::timeout(Duration::from_secs(5), cancelled_rx)
+        .await
+        .expect("the client cancelled the call that broke flow control")
+        .unwrap();
+    let mut received = 0;
+    let status = loop {
+        match stream.next().await {
+            Some(Ok(message)) => received += message.len(),
+            Some(Err(status)) => break status,
+            None => panic!("the stream ended with success after {received} bytes"),
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    assert!(
+        status.message().contains("flow control ignored"),
+        "{status}"
+    );
+    assert!(
+        (64 * 1024..=64 * 1024 + MESSAGE).contains(&received),
+        "the client delivered {received} bytes: the window plus at most one message"
+    );
 }

@@ -41,7 +41,11 @@ pub(super) enum Phase {
 pub(super) struct CallSlot {
     pub(super) generation: u32,
     pub(super) inbox: Inbox,
+    /// The request stream's send window; on calls with a response stream it
+    /// also records what the client granted the server (`granted_to_peer`).
     pub(super) window: Option<Arc<SendWindow>>,
+    /// Bytes of response-stream messages received, held to the window granted.
+    pub(super) received: u64,
 }
 
 /// What a call with a single response message (unary, client-streaming)
@@ -159,6 +163,7 @@ impl ClientConn {
             generation,
             inbox,
             window,
+            received: 0,
         });
         Ok((generation as u64) << 32 | key as u64)
     }
@@ -387,13 +392,31 @@ impl ClientConn {
             return self.refuse_oversized(id, payload.len());
         }
         let (key, generation) = split_id(id);
-        if let Some(slot) = self
-            .table()
+        let mut table = self.table();
+        let Some(slot) = table
             .slots
             .get_mut(key)
             .filter(|s| s.generation == generation)
-        {
-            slot.inbox.message(payload);
+        else {
+            return; // the call already ended: its late messages are dropped
+        };
+        // As on the server: the server may start a message while the window
+        // the client granted is positive; one that starts beyond it ignores
+        // flow control and would make the call's queue grow without bound.
+        if let (Inbox::Stream(_), Some(window)) = (&slot.inbox, &slot.window) {
+            let granted = window.granted_to_peer();
+            if slot.received >= granted {
+                let received = slot.received;
+                drop(table);
+                let status = Status::resource_exhausted(format!(
+                    "{} sent {received} bytes on the response stream and more, beyond the \
+                     {granted}-byte window the client granted (flow control ignored)",
+                    self.peer
+                ));
+                return self.fail_call(id, status);
+            }
+            slot.received += payload.len() as u64;
         }
+        slot.inbox.message(payload);
     }
 }

@@ -56,7 +56,10 @@ impl Client {
         inbox: Inbox,
     ) -> Result<(ActiveCall, Option<Arc<SendWindow>>), Status> {
         let conn = self.channel.connection().await?;
-        let window = sends_stream.then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
+        // A response stream's window records the client's grants, for the reader's check.
+        let receives_stream = matches!(inbox, Inbox::Stream(_));
+        let window = (sends_stream || receives_stream)
+            .then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
         let id = conn.open_call(window.clone(), inbox)?;
         let call = ActiveCall {
             conn,
@@ -87,6 +90,7 @@ impl Client {
     pub(super) fn streaming_response<T>(
         &self,
         call: ActiveCall,
+        window: Option<Arc<SendWindow>>,
         rx: mpsc::UnboundedReceiver<Inbound>,
         deadline: Option<Instant>,
         decode: fn(Bytes) -> Result<T, Status>,
@@ -96,7 +100,7 @@ impl Client {
             Arc::clone(&call.conn.sink),
             call.id,
             config.stream_window,
-            None,
+            window,
         );
         Streaming::new(
             StreamingParts {
@@ -148,7 +152,7 @@ impl Client {
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let (tx, rx) = mpsc::unbounded_channel();
-            let (call, _) = self
+            let (call, window) = self
                 .open(
                     path,
                     &metadata,
@@ -160,6 +164,7 @@ impl Client {
                 .await?;
             Ok(Response::new(self.streaming_response(
                 call,
+                window,
                 rx,
                 deadline,
                 C::decode,
@@ -204,11 +209,12 @@ impl Client {
         let deadline = self.deadline(timeout);
         let call = async {
             let (tx, rx) = mpsc::unbounded_channel();
-            let call = self
+            let (call, window) = self
                 .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::Stream(tx))
                 .await?;
             Ok(Response::new(self.streaming_response(
                 call,
+                Some(window),
                 rx,
                 deadline,
                 C::decode,
@@ -225,7 +231,7 @@ impl Client {
         deadline: Option<Instant>,
         stream: S,
         inbox: Inbox,
-    ) -> Result<ActiveCall, Status>
+    ) -> Result<(ActiveCall, Arc<SendWindow>), Status>
     where
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
@@ -233,15 +239,16 @@ impl Client {
         let (mut call, window) = self
             .open(path, metadata, deadline, None, true, inbox)
             .await?;
-        call.sender = Some(self.spawn_sender::<C, S>(&call, window, stream));
-        Ok(call)
+        let window = window.expect("streaming calls have a send window");
+        call.sender = Some(self.spawn_sender::<C, S>(&call, Arc::clone(&window), stream));
+        Ok((call, window))
     }
 
     /// Sends the request stream's messages as the server's window allows, then the end of stream.
     pub(super) fn spawn_sender<C, S>(
         &self,
         call: &ActiveCall,
-        window: Option<Arc<SendWindow>>,
+        window: Arc<SendWindow>,
         stream: S,
     ) -> AbortHandle
     where
@@ -250,7 +257,6 @@ impl Client {
     {
         let conn = Arc::clone(&call.conn);
         let id = call.id;
-        let window = window.expect("streaming calls have a send window");
         let max = self.channel.config().max_message_size;
         let task = async move {
             let mut stream = pin!(stream);
