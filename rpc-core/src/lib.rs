@@ -72,7 +72,9 @@
 
 pub mod codec;
 pub mod codegen;
+pub mod fanout;
 pub mod frame;
+pub mod hedging;
 pub mod metadata;
 pub mod transport;
 
@@ -84,7 +86,7 @@ mod server;
 mod status;
 
 pub use client::{
-    AddressError, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE,
+    AddressError, Balance, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE,
     MAX_MESSAGE_SIZE_LIMIT,
 };
 pub use codec::{BytesCodec, Codec, ProstCodec};

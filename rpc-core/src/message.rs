@@ -16,12 +16,22 @@ use crate::metadata::MetadataMap;
 use crate::status::Status;
 use crate::transport::FrameSink;
 
-/// A request: a message (or a stream of them) with metadata and a timeout.
+/// A request: a message (or a stream of them) with metadata, a timeout or
+/// deadline, and whether it is safe to send twice.
 #[derive(Debug, Clone, Default)]
 pub struct Request<T> {
     message: T,
     metadata: MetadataMap,
-    timeout: Option<Duration>,
+    options: CallOptions,
+}
+
+/// When a call must be done by, and whether it may be sent again: what a
+/// [`Request`] carries besides its message and metadata.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CallOptions {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) idempotent: bool,
 }
 
 impl<T> Request<T> {
@@ -30,7 +40,7 @@ impl<T> Request<T> {
         Request {
             message,
             metadata: MetadataMap::new(),
-            timeout: None,
+            options: CallOptions::default(),
         }
     }
 
@@ -63,29 +73,65 @@ impl<T> Request<T> {
     /// remaining time and the call fails with `DeadlineExceeded` on both sides
     /// when it runs out.
     pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = Some(timeout);
+        self.options.timeout = Some(timeout);
     }
 
     /// The timeout: on a client, as set; in a handler, the time that was left
     /// when the request arrived.
     pub fn timeout(&self) -> Option<Duration> {
-        self.timeout
+        self.options.timeout
     }
 
-    pub(crate) fn from_parts(
+    /// Sets the instant by which the call must be done: one deadline shared
+    /// by several calls (a fan-out, a call made on behalf of another) without
+    /// each recomputing a timeout. If a timeout is set too, the earlier wins;
+    /// either replaces the channel's default timeout. A `std::time::Instant`
+    /// converts with `.into()`.
+    pub fn set_deadline(&mut self, deadline: Instant) {
+        self.options.deadline = Some(deadline);
+    }
+
+    /// The deadline: on a client, as set; in a handler, when the client's
+    /// time runs out (arrival plus the timeout it sent), to pass on to the
+    /// calls the handler makes.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.options.deadline
+    }
+
+    /// Marks the call as safe to run twice. On a channel over several
+    /// replicas, an idempotent unary call whose connection fails after it
+    /// was sent is retried once on another replica; other calls are retried
+    /// only if they were never sent. (Default: not idempotent.)
+    pub fn set_idempotent(&mut self, idempotent: bool) {
+        self.options.idempotent = idempotent;
+    }
+
+    /// Whether the call is marked safe to run twice.
+    pub fn is_idempotent(&self) -> bool {
+        self.options.idempotent
+    }
+
+    /// A request received by a server: the timeout the client sent, and the
+    /// deadline it makes from the call's arrival.
+    pub(crate) fn received(
         message: T,
         metadata: MetadataMap,
         timeout: Option<Duration>,
+        deadline: Option<Instant>,
     ) -> Request<T> {
         Request {
             message,
             metadata,
-            timeout,
+            options: CallOptions {
+                timeout,
+                deadline,
+                idempotent: false,
+            },
         }
     }
 
-    pub(crate) fn into_parts(self) -> (T, MetadataMap, Option<Duration>) {
-        (self.message, self.metadata, self.timeout)
+    pub(crate) fn into_parts(self) -> (T, MetadataMap, CallOptions) {
+        (self.message, self.metadata, self.options)
     }
 }
 

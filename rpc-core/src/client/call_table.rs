@@ -137,6 +137,11 @@ impl ClientConn {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Calls open on this connection (what least-outstanding balancing compares).
+    pub(super) fn open_calls(&self) -> usize {
+        self.table().slots.len()
+    }
+
     pub(super) fn accepts_calls(&self) -> bool {
         matches!(self.table().phase, Phase::Open)
     }

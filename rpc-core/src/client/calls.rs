@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
@@ -15,12 +14,14 @@ use tracing::Instrument;
 use crate::codec::{Codec, Encodable};
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{EncodePayload, OutBody, OutFrame};
-use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
+use crate::message::{
+    CallOptions, Inbound, RecvWindow, Request, Response, Streaming, StreamingParts,
+};
 use crate::metadata::MetadataMap;
-use crate::status::Status;
+use crate::status::{Code, Status};
 
 use super::call_table::{ClientConn, Inbox, SingleResponse};
-use super::channel::Channel;
+use super::channel::{Channel, Picked};
 
 /// Makes typed calls on a [`Channel`]; what generated clients wrap.
 #[derive(Clone, Debug)]
@@ -39,23 +40,33 @@ impl Client {
         &self.channel
     }
 
-    pub(super) fn deadline(&self, timeout: Option<Duration>) -> Option<Instant> {
-        timeout
-            .or(self.channel.config().timeout)
-            .map(|t| Instant::now() + t)
+    /// When the call must be done: the earlier of the request's deadline
+    /// and its timeout from now; the channel's default timeout if it set neither.
+    pub(super) fn deadline(&self, options: &CallOptions) -> Option<Instant> {
+        let timeout = match options.deadline {
+            Some(_) => options.timeout,
+            None => options.timeout.or(self.channel.config().timeout),
+        };
+        let from_timeout = timeout.map(|t| Instant::now() + t);
+        match (options.deadline, from_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    /// Opens a call: registers it and sends its `Request` frame.
+    /// Opens a call: registers it and sends its `Request` frame, carrying
+    /// `first`, the single request message, or none if a request stream follows.
     pub(super) async fn open(
         &self,
         path: &str,
         metadata: &MetadataMap,
         deadline: Option<Instant>,
         first: Option<&dyn EncodePayload>,
-        sends_stream: bool,
         inbox: Inbox,
+        avoid_replica: Option<usize>,
     ) -> Result<(ActiveCall, Option<Arc<SendWindow>>), Status> {
-        let conn = self.channel.connection().await?;
+        let sends_stream = first.is_none();
+        let Picked { conn, replica } = self.channel.pick(avoid_replica).await?;
         // A response stream's window records the client's grants, for the reader's check.
         let receives_stream = matches!(inbox, Inbox::Stream(_));
         let window = (sends_stream || receives_stream)
@@ -64,6 +75,7 @@ impl Client {
         let call = ActiveCall {
             conn,
             id,
+            replica,
             sender: None,
             _channel: self.channel.clone(),
         };
@@ -116,27 +128,43 @@ impl Client {
     }
 
     /// A unary call: one request, one response.
+    ///
+    /// On a channel over several replicas, a call marked
+    /// [idempotent](Request::set_idempotent) that fails with `Unavailable`
+    /// (its connection broke) is sent once more, to another replica.
     pub async fn unary<C: Codec>(
         &self,
         path: &str,
         request: Request<C::Encode>,
     ) -> Result<Response<C::Decode>, Status> {
-        let (message, metadata, timeout) = request.into_parts();
-        let deadline = self.deadline(timeout);
+        let (message, metadata, options) = request.into_parts();
+        let deadline = self.deadline(&options);
+        let retry = options.idempotent && self.channel.replica_count() > 1;
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
-            let (tx, rx) = oneshot::channel();
-            let (_call, _) = self
-                .open(
-                    path,
-                    &metadata,
-                    deadline,
-                    Some(&payload),
-                    false,
-                    Inbox::single(tx),
-                )
-                .await?;
-            receive_one::<C>(rx).await
+            let mut avoid = None;
+            loop {
+                let (tx, rx) = oneshot::channel();
+                let (call, _) = self
+                    .open(
+                        path,
+                        &metadata,
+                        deadline,
+                        Some(&payload),
+                        Inbox::single(tx),
+                        avoid,
+                    )
+                    .await?;
+                match receive_one::<C>(rx).await {
+                    Err(status)
+                        if retry && avoid.is_none() && status.code() == Code::Unavailable =>
+                    {
+                        tracing::debug!(peer = %call.conn.peer, "retrying an idempotent call on another replica: {status}");
+                        avoid = Some(call.replica);
+                    }
+                    outcome => return outcome,
+                }
+            }
         };
         traced(path, deadline, call).await
     }
@@ -147,8 +175,8 @@ impl Client {
         path: &str,
         request: Request<C::Encode>,
     ) -> Result<Response<Streaming<C::Decode>>, Status> {
-        let (message, metadata, timeout) = request.into_parts();
-        let deadline = self.deadline(timeout);
+        let (message, metadata, options) = request.into_parts();
+        let deadline = self.deadline(&options);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let (tx, rx) = mpsc::unbounded_channel();
@@ -158,8 +186,8 @@ impl Client {
                     &metadata,
                     deadline,
                     Some(&payload),
-                    false,
                     Inbox::Stream(tx),
+                    None,
                 )
                 .await?;
             Ok(Response::new(self.streaming_response(
@@ -183,8 +211,8 @@ impl Client {
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
     {
-        let (stream, metadata, timeout) = request.into_parts();
-        let deadline = self.deadline(timeout);
+        let (stream, metadata, options) = request.into_parts();
+        let deadline = self.deadline(&options);
         let call = async {
             let (tx, rx) = oneshot::channel();
             let _call = self
@@ -205,8 +233,8 @@ impl Client {
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
     {
-        let (stream, metadata, timeout) = request.into_parts();
-        let deadline = self.deadline(timeout);
+        let (stream, metadata, options) = request.into_parts();
+        let deadline = self.deadline(&options);
         let call = async {
             let (tx, rx) = mpsc::unbounded_channel();
             let (call, window) = self
@@ -237,7 +265,7 @@ impl Client {
         S: Stream<Item = C::Encode> + Send + 'static,
     {
         let (mut call, window) = self
-            .open(path, metadata, deadline, None, true, inbox)
+            .open(path, metadata, deadline, None, inbox, None)
             .await?;
         let window = window.expect("streaming calls have a send window");
         call.sender = Some(self.spawn_sender::<C, S>(&call, Arc::clone(&window), stream));
@@ -334,6 +362,8 @@ pub(super) async fn with_deadline<T>(
 pub(super) struct ActiveCall {
     pub(super) conn: Arc<ClientConn>,
     pub(super) id: u64,
+    /// Which of the channel's replicas the call went to.
+    pub(super) replica: usize,
     pub(super) sender: Option<AbortHandle>,
     /// Keeps the channel (and its connection) open while a stream outlives the client.
     pub(super) _channel: Channel,

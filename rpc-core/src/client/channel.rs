@@ -1,6 +1,8 @@
-//! [`Channel`]: calls multiplexed over one connection, reconnecting as needed.
+//! [`Channel`]: calls multiplexed over one connection per server,
+//! reconnecting as needed; over several replicas of one service, balanced.
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -9,13 +11,15 @@ use tokio::time::Instant;
 use crate::status::Status;
 
 use super::call_table::ClientConn;
-use super::endpoint::{frame_limits, ChannelConfig, ConnectError, Endpoint};
+use super::endpoint::{frame_limits, AddressError, ChannelConfig, ConnectError, Endpoint};
 
-/// A connection to one server, shared by every call and every clone.
+/// Calls to one service, multiplexed over a connection to one server or
+/// balanced over several replicas of it ([`Channel::balance`]).
 ///
-/// Cloning is cheap; all clones multiplex their calls over one connection.
-/// When the connection fails, its pending calls end with `Unavailable` and the
-/// next call reconnects (with backoff after failed attempts).
+/// Cloning is cheap; all clones share the connections. When a connection
+/// fails, its pending calls end with `Unavailable` and the next call
+/// reconnects (with backoff after failed attempts; meanwhile calls fail at
+/// once, or wait if the endpoint is set to [`wait_for_ready`](Endpoint::wait_for_ready)).
 ///
 /// Each connection's frames are read by a task on the tokio runtime, which
 /// hands every response to the task awaiting its call. Make latency-critical
@@ -23,18 +27,41 @@ use super::endpoint::{frame_limits, ChannelConfig, ConnectError, Endpoint};
 /// on the `block_on` thread costs a cross-thread wake-up per call.
 #[derive(Clone)]
 pub struct Channel {
-    pub(super) shared: Arc<ChannelShared>,
+    pub(super) inner: Arc<Replicas>,
 }
 
-pub(super) struct ChannelShared {
-    pub(super) endpoint: Endpoint,
-    pub(super) state: Mutex<ConnState>,
-    pub(super) connecting: tokio::sync::Mutex<()>,
+/// How a channel over several replicas picks one for each call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Balance {
+    /// The replica with the fewest calls in flight on this channel (ties in
+    /// turn). The default: a replica that slows down collects outstanding
+    /// calls, so new calls move away from it at once, which is what keeps
+    /// a fan-out's tail short.
+    #[default]
+    LeastOutstanding,
+    /// Each replica in turn, whatever its load.
+    RoundRobin,
 }
 
-pub(super) enum ConnState {
+/// The replicas a channel balances over (one, for a plain channel).
+pub(super) struct Replicas {
+    replicas: Vec<Replica>,
+    policy: Balance,
+    next: AtomicUsize,
+}
+
+/// One server: its endpoint, its connection and its reconnect state.
+struct Replica {
+    endpoint: Endpoint,
+    state: Mutex<ConnState>,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+enum ConnState {
     Idle,
     Ready(Arc<ClientConn>),
+    /// Ejected: the last connection attempt failed; not tried again before `retry_at`.
     Backoff {
         retry_at: Instant,
         delay: Duration,
@@ -42,7 +69,13 @@ pub(super) enum ConnState {
     },
 }
 
-impl Drop for ChannelShared {
+/// The connection a call goes on, and which replica it belongs to.
+pub(super) struct Picked {
+    pub(super) conn: Arc<ClientConn>,
+    pub(super) replica: usize,
+}
+
+impl Drop for Replica {
     fn drop(&mut self) {
         if let ConnState::Ready(conn) = &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
             conn.sink.close();
@@ -52,8 +85,15 @@ impl Drop for ChannelShared {
 
 impl fmt::Debug for Channel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let addresses: Vec<&str> = self
+            .inner
+            .replicas
+            .iter()
+            .map(|r| r.endpoint.address.as_str())
+            .collect();
         f.debug_struct("Channel")
-            .field("address", &self.shared.endpoint.address)
+            .field("addresses", &addresses)
+            .field("balance", &self.inner.policy)
             .finish()
     }
 }
@@ -64,17 +104,168 @@ impl Channel {
         Endpoint::new(address)?.connect().await
     }
 
-    /// The address this channel connects to.
+    /// A channel over several replicas of one service, each call going to
+    /// one of them as `policy` picks. Connects lazily, each replica on its
+    /// first call. A replica whose connection attempt fails is ejected
+    /// (skipped) for its backoff delay, then tried again; a call fails with
+    /// `Unavailable` only when every replica is (or waits, with
+    /// [`Endpoint::wait_for_ready`]). The channel's call settings (timeout,
+    /// message size, stream window, wait-for-ready) are the first endpoint's;
+    /// each replica connects with its own endpoint's connect settings.
+    ///
+    /// ```no_run
+    /// # fn run() -> Result<(), rpc_core::AddressError> {
+    /// use rpc_core::{Balance, Channel, Endpoint};
+    /// let shard = Channel::balance(
+    ///     [Endpoint::new("tcp://10.0.0.1:50051")?, Endpoint::new("tcp://10.0.0.2:50051")?],
+    ///     Balance::LeastOutstanding,
+    /// )?;
+    /// # Ok(()) }
+    /// ```
+    pub fn balance(
+        endpoints: impl IntoIterator<Item = Endpoint>,
+        policy: Balance,
+    ) -> Result<Channel, AddressError> {
+        let replicas: Vec<Replica> = endpoints.into_iter().map(Replica::new).collect();
+        if replicas.is_empty() {
+            return Err(AddressError::NoEndpoints);
+        }
+        Ok(Channel {
+            inner: Arc::new(Replicas {
+                replicas,
+                policy,
+                next: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The address this channel connects to (the first replica's, for a balanced channel).
     pub fn address(&self) -> &str {
-        &self.shared.endpoint.address
+        &self.inner.replicas[0].endpoint.address
+    }
+
+    /// How many replicas the channel balances over (1 for a plain channel).
+    pub fn replica_count(&self) -> usize {
+        self.inner.replicas.len()
     }
 
     pub(super) fn config(&self) -> &ChannelConfig {
-        &self.shared.endpoint.config
+        &self.inner.replicas[0].endpoint.config
     }
 
-    pub(super) async fn dial(&self) -> Result<Arc<ClientConn>, ConnectError> {
-        let endpoint = &self.shared.endpoint;
+    /// The connection for a new call: a live one, or one made now (once,
+    /// for all waiting callers). `avoid` is a replica not to use if another
+    /// can be (a call's retry goes elsewhere).
+    pub(super) async fn pick(&self, avoid: Option<usize>) -> Result<Picked, Status> {
+        let replicas = &self.inner.replicas;
+        let wait = self.config().wait_for_ready;
+        if let [only] = replicas.as_slice() {
+            let conn = only.connection(wait).await?;
+            return Ok(Picked { conn, replica: 0 });
+        }
+        // Replicas whose attempt failed during this pick (allocates only then).
+        let mut failed: Vec<usize> = Vec::new();
+        loop {
+            let now = Instant::now();
+            let usable = |i: usize| !failed.contains(&i) && replicas[i].load(now).is_some();
+            let choice = self
+                .inner
+                .choose(now, |i| usable(i) && Some(i) != avoid)
+                .or_else(|| self.inner.choose(now, usable));
+            if let Some(i) = choice {
+                match replicas[i].connection(false).await {
+                    Ok(conn) => return Ok(Picked { conn, replica: i }),
+                    Err(_) => {
+                        failed.push(i);
+                        continue;
+                    }
+                }
+            }
+            // Every replica is ejected.
+            if wait {
+                let retry_at = replicas
+                    .iter()
+                    .filter_map(|r| r.retry_at())
+                    .min()
+                    .unwrap_or(now);
+                tokio::time::sleep_until(retry_at).await;
+                failed.clear();
+                continue;
+            }
+            let reasons: Vec<String> = replicas
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{}: {}",
+                        r.endpoint.address,
+                        r.last_error().unwrap_or_else(|| "unavailable".into())
+                    )
+                })
+                .collect();
+            return Err(Status::unavailable(format!(
+                "all {} replicas are unavailable ({})",
+                replicas.len(),
+                reasons.join("; ")
+            )));
+        }
+    }
+}
+
+impl Replicas {
+    /// The replica `policy` picks among those `usable` allows.
+    fn choose(&self, now: Instant, usable: impl Fn(usize) -> bool) -> Option<usize> {
+        let n = self.replicas.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let in_turn = (0..n).map(|k| (start + k) % n).filter(|&i| usable(i));
+        match self.policy {
+            Balance::RoundRobin => in_turn.into_iter().next(),
+            Balance::LeastOutstanding => in_turn
+                .filter_map(|i| Some((self.replicas[i].load(now)?, i)))
+                // `min_by_key` keeps the first of equals: ties go in turn.
+                .min_by_key(|&(load, _)| load)
+                .map(|(_, i)| i),
+        }
+    }
+}
+
+impl Replica {
+    fn new(endpoint: Endpoint) -> Replica {
+        Replica {
+            endpoint,
+            state: Mutex::new(ConnState::Idle),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, ConnState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Calls in flight on this replica's connection; `None` while it is ejected.
+    fn load(&self, now: Instant) -> Option<usize> {
+        match &*self.state() {
+            ConnState::Ready(conn) => Some(conn.open_calls()),
+            ConnState::Backoff { retry_at, .. } if now < *retry_at => None,
+            _ => Some(0),
+        }
+    }
+
+    fn retry_at(&self) -> Option<Instant> {
+        match &*self.state() {
+            ConnState::Backoff { retry_at, .. } => Some(*retry_at),
+            _ => None,
+        }
+    }
+
+    fn last_error(&self) -> Option<String> {
+        match &*self.state() {
+            ConnState::Backoff { error, .. } => Some(error.clone()),
+            _ => None,
+        }
+    }
+
+    async fn dial(&self) -> Result<Arc<ClientConn>, ConnectError> {
+        let endpoint = &self.endpoint;
         let limits = frame_limits(endpoint.config.max_message_size);
         let connecting = endpoint.transport.connect(&endpoint.authority, limits);
         match tokio::time::timeout(endpoint.config.connect_timeout, connecting).await {
@@ -90,60 +281,70 @@ impl Channel {
         }
     }
 
-    pub(super) fn ready_connection(&self) -> Option<Arc<ClientConn>> {
-        match &*self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) {
+    fn ready_connection(&self) -> Option<Arc<ClientConn>> {
+        match &*self.state() {
             ConnState::Ready(conn) if conn.accepts_calls() => Some(Arc::clone(conn)),
             _ => None,
         }
     }
 
-    /// The live connection, connecting (once, for all waiting callers) if needed.
-    pub(super) async fn connection(&self) -> Result<Arc<ClientConn>, Status> {
-        if let Some(conn) = self.ready_connection() {
-            return Ok(conn);
-        }
-        let _one_dialer = self.shared.connecting.lock().await;
-        if let Some(conn) = self.ready_connection() {
-            return Ok(conn);
-        }
-        let previous_delay = {
-            let state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-            match &*state {
+    /// The live connection, connecting (once, for all waiting callers) if
+    /// needed. While the replica backs off, fails at once with
+    /// `Unavailable`, or with `wait_for_ready` waits for the next attempt
+    /// (the call's deadline bounds the wait).
+    async fn connection(&self, wait_for_ready: bool) -> Result<Arc<ClientConn>, Status> {
+        loop {
+            if let Some(conn) = self.ready_connection() {
+                return Ok(conn);
+            }
+            let one_dialer = self.connecting.lock().await;
+            if let Some(conn) = self.ready_connection() {
+                return Ok(conn);
+            }
+            let backoff = match &*self.state() {
                 ConnState::Backoff {
                     retry_at,
                     delay,
                     error,
-                } => {
-                    let now = Instant::now();
-                    if now < *retry_at {
-                        return Err(Status::unavailable(format!(
-                            "{} is unreachable: {error}; next reconnect attempt in {:?}",
-                            self.address(),
-                            *retry_at - now
-                        )));
-                    }
-                    Some(*delay)
-                }
+                } => Some((*retry_at, *delay, error.clone())),
                 _ => None,
-            }
-        };
-        match self.dial().await {
-            Ok(conn) => {
-                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) =
-                    ConnState::Ready(Arc::clone(&conn));
-                Ok(conn)
-            }
-            Err(error) => {
-                let config = self.config();
-                let delay = previous_delay
-                    .map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
-                let message = error.to_string();
-                *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = ConnState::Backoff {
-                    retry_at: Instant::now() + delay,
-                    delay,
-                    error: message.clone(),
-                };
-                Err(Status::unavailable(message))
+            };
+            let previous_delay = match backoff {
+                Some((retry_at, _, error)) if Instant::now() < retry_at => {
+                    if wait_for_ready {
+                        drop(one_dialer);
+                        tokio::time::sleep_until(retry_at).await;
+                        continue;
+                    }
+                    return Err(Status::unavailable(format!(
+                        "{} is unreachable: {error}; next reconnect attempt in {:?}",
+                        self.endpoint.address,
+                        retry_at - Instant::now()
+                    )));
+                }
+                Some((_, delay, _)) => Some(delay),
+                None => None,
+            };
+            match self.dial().await {
+                Ok(conn) => {
+                    *self.state() = ConnState::Ready(Arc::clone(&conn));
+                    return Ok(conn);
+                }
+                Err(error) => {
+                    let config = &self.endpoint.config;
+                    let delay = previous_delay
+                        .map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
+                    let message = error.to_string();
+                    *self.state() = ConnState::Backoff {
+                        retry_at: Instant::now() + delay,
+                        delay,
+                        error: message.clone(),
+                    };
+                    if wait_for_ready {
+                        continue;
+                    }
+                    return Err(Status::unavailable(message));
+                }
             }
         }
     }
@@ -153,23 +354,25 @@ impl Channel {
 impl Endpoint {
     /// Connects now; fails if the first connection cannot be made.
     pub async fn connect(self) -> Result<Channel, ConnectError> {
-        let channel = self.connect_lazy();
-        let conn = channel.dial().await?;
-        *channel
-            .shared
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = ConnState::Ready(conn);
-        Ok(channel)
+        let replica = Replica::new(self);
+        let conn = replica.dial().await?;
+        *replica.state() = ConnState::Ready(conn);
+        Ok(Channel::over(replica))
     }
 
     /// A channel that connects on its first call.
     pub fn connect_lazy(self) -> Channel {
+        Channel::over(Replica::new(self))
+    }
+}
+
+impl Channel {
+    fn over(replica: Replica) -> Channel {
         Channel {
-            shared: Arc::new(ChannelShared {
-                endpoint: self,
-                state: Mutex::new(ConnState::Idle),
-                connecting: tokio::sync::Mutex::new(()),
+            inner: Arc::new(Replicas {
+                replicas: vec![replica],
+                policy: Balance::default(),
+                next: AtomicUsize::new(0),
             }),
         }
     }

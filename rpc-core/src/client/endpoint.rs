@@ -36,6 +36,9 @@ pub enum AddressError {
         /// The schemes that are installed.
         installed: String,
     },
+    /// A balanced channel was given no endpoints.
+    #[error("a channel needs at least one endpoint to balance over")]
+    NoEndpoints,
 }
 
 /// Finds the transport for `address` and splits off its authority.
@@ -84,6 +87,7 @@ pub(super) struct ChannelConfig {
     pub(super) backoff_initial: Duration,
     pub(super) backoff_max: Duration,
     pub(super) keepalive: Option<Keepalive>,
+    pub(super) wait_for_ready: bool,
 }
 
 /// Where and how to connect; builds a [`Channel`](super::Channel).
@@ -133,6 +137,7 @@ impl Endpoint {
                 backoff_initial: Duration::from_millis(100),
                 backoff_max: Duration::from_secs(10),
                 keepalive: Some(DEFAULT_KEEPALIVE),
+                wait_for_ready: false,
             },
         })
     }
@@ -170,6 +175,16 @@ impl Endpoint {
     pub fn reconnect_backoff(mut self, initial: Duration, max: Duration) -> Endpoint {
         self.config.backoff_initial = initial;
         self.config.backoff_max = max.max(initial);
+        self
+    }
+
+    /// While the server is unreachable (between reconnect attempts), make
+    /// calls wait for the next attempt instead of failing at once with
+    /// `Unavailable`; a call's deadline still bounds its wait. On a channel
+    /// over several replicas, calls wait only when every replica is
+    /// unreachable. (Default: off, calls fail fast, as in gRPC.)
+    pub fn wait_for_ready(mut self, wait: bool) -> Endpoint {
+        self.config.wait_for_ready = wait;
         self
     }
 

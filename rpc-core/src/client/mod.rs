@@ -3,7 +3,7 @@
 //!
 //! Layers, each using only those above it: `endpoint` (address and
 //! configuration), `call_table` (one connection's open calls and its reader:
-//! `ClientConn`), `channel` (connecting and reconnecting), `calls` (typed
+//! `ClientConn`), `channel` (connecting, reconnecting, balancing over replicas), `calls` (typed
 //! calls and the handle that cancels a dropped call).
 
 mod call_table;
@@ -12,7 +12,7 @@ mod channel;
 mod endpoint;
 
 pub use calls::Client;
-pub use channel::Channel;
+pub use channel::{Balance, Channel};
 pub(crate) use endpoint::{frame_limits, resolve};
 pub use endpoint::{
     AddressError, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE_LIMIT,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
@@ -27,6 +28,8 @@ pub struct ServerCall {
     pub(super) id: u64,
     pub(super) metadata: MetadataMap,
     pub(super) timeout: Option<Duration>,
+    /// When the client's time runs out: arrival plus `timeout`.
+    pub(super) deadline: Option<Instant>,
     pub(super) first: Option<Bytes>,
     pub(super) inbound: Option<mpsc::UnboundedReceiver<Inbound>>,
     pub(super) window: Arc<SendWindow>,
@@ -52,10 +55,11 @@ impl ServerCall {
             .first
             .take()
             .ok_or_else(|| Status::internal("request carried no message"))?;
-        Ok(Request::from_parts(
+        Ok(Request::received(
             C::decode(bytes)?,
             std::mem::take(&mut self.metadata),
             self.timeout,
+            self.deadline,
         ))
     }
 
@@ -81,7 +85,12 @@ impl ServerCall {
             },
             C::decode,
         );
-        Request::from_parts(stream, std::mem::take(&mut self.metadata), self.timeout)
+        Request::received(
+            stream,
+            std::mem::take(&mut self.metadata),
+            self.timeout,
+            self.deadline,
+        )
     }
 
     async fn finish_with_status(&self, status: Status) {

@@ -399,6 +399,7 @@ impl ServerConn {
             id,
             metadata,
             timeout,
+            deadline,
             first,
             inbound: inbound_rx,
             window,
