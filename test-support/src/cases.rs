@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
+use rpc_core::fanout::{FanOut, Finished, ShardResult};
+use rpc_core::{Balance, BytesCodec, Channel, Client, Code, Endpoint, Request};
 
 use crate::{count_message, count_request, TestServer};
 
@@ -694,6 +695,125 @@ pub async fn calls_over_the_concurrency_limit_are_refused(listen: String, _profi
     server.stop().await;
 }
 
+/// The `i`-th of several servers' listen addresses: a port-0 address serves
+/// for all, a `mem://` name is made unique.
+fn nth_listen(listen: &str, i: usize) -> String {
+    if listen.starts_with("mem://") {
+        format!("{listen}-{i}")
+    } else {
+        listen.to_string()
+    }
+}
+
+fn sleep_request(millis: u32) -> Bytes {
+    Bytes::from(millis.to_le_bytes().to_vec())
+}
+
+pub async fn fan_out_under_a_deadline_returns_partial_results_and_cancels_stragglers(
+    listen: String,
+    _profile: &Profile,
+) {
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        servers.push(TestServer::start(&nth_listen(&listen, i), |b| b).await);
+    }
+    let mut clients = Vec::new();
+    for server in &servers {
+        clients.push(client_for(server).await);
+    }
+    // Shards 0 and 1 answer at once, shard 2 would take 30 s.
+    let work = [0, 0, 30_000];
+    let fan = FanOut::within(Duration::from_secs(2));
+    let started = Instant::now();
+    let results = fan
+        .run(clients.iter().zip(work).map(|(client, millis)| {
+            client.unary::<BytesCodec>("/test.Test/Sleep", fan.request(sleep_request(millis)))
+        }))
+        .await;
+    assert_eq!(results.finished, Finished::Deadline, "{results:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        results.shards[0].is_ok() && results.shards[1].is_ok(),
+        "{results:?}"
+    );
+    assert!(
+        matches!(results.shards[2], ShardResult::NotAnswered),
+        "{results:?}"
+    );
+    // The straggler's handler is cancelled on its server.
+    let probes = &servers[2].probes;
+    assert!(
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .cancelled
+                .load(Ordering::SeqCst)
+                == 1)
+            .await,
+        "the straggler's handler was not cancelled"
+    );
+    for server in servers {
+        server.stop().await;
+    }
+}
+
+pub async fn a_balanced_channel_moves_on_from_a_dead_replica(listen: String, _profile: &Profile) {
+    let dying = TestServer::start(&nth_listen(&listen, 0), |b| b).await;
+    let other = TestServer::start(&nth_listen(&listen, 1), |b| b).await;
+    let endpoints = [&dying, &other].map(|s| {
+        Endpoint::new(&s.address)
+            .unwrap()
+            .reconnect_backoff(Duration::from_secs(5), Duration::from_secs(5))
+    });
+    let client = Client::new(Channel::balance(endpoints, Balance::RoundRobin).unwrap());
+    // An idempotent call in flight on the replica that dies is answered by the other.
+    let mut request = Request::new(sleep_request(30_000));
+    request.set_idempotent(true);
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .unary::<BytesCodec>("/test.Test/Sleep", request)
+                .await
+        }
+    });
+    let probes = std::sync::Arc::clone(&dying.probes);
+    assert!(
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == 1)
+            .await
+    );
+    dying.kill().await;
+    // The retry sleeps 30 s on the other replica: cut it short by seeing it start.
+    let others = std::sync::Arc::clone(&other.probes);
+    assert!(
+        others
+            .wait_until(Duration::from_secs(10), || others
+                .sleeping
+                .load(Ordering::SeqCst)
+                == 1)
+            .await,
+        "the idempotent call was not retried on the other replica"
+    );
+    call.abort();
+    // New calls all go to the live replica: the dead one is ejected.
+    for i in 0..10 {
+        let body = Bytes::from(format!("after-{i}"));
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+            .await
+            .unwrap_or_else(|status| panic!("call {i} failed: {status}"));
+        assert_eq!(reply.into_inner(), body);
+    }
+    other.stop().await;
+}
+
 /// Calls `$runner!(case, case, ...)` with the name of every case in this
 /// module: the one list of shared cases. A suite's runner macro turns each
 /// name into a test over its transport (see the crate docs).
@@ -721,6 +841,8 @@ macro_rules! for_each_case {
             keepalive_pings_do_not_disturb_a_slow_call,
             dropping_a_response_stream_stops_the_server_stream,
             calls_over_the_concurrency_limit_are_refused,
+            fan_out_under_a_deadline_returns_partial_results_and_cancels_stragglers,
+            a_balanced_channel_moves_on_from_a_dead_replica,
         );
     };
 }
