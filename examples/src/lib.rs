@@ -8,6 +8,11 @@ pub mod helloworld {
     rpc_core::include_proto!("helloworld");
 }
 
+/// The model-shard service of the fan-out example, generated from `proto/shard.proto`.
+pub mod shard {
+    rpc_core::include_proto!("shard");
+}
+
 /// Installs every transport this build has, so any address scheme works.
 pub fn install_transports() {
     transport_tcp::install();

@@ -17,7 +17,8 @@ use std::process::{Command, ExitCode};
 
 const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | bench | fuzz>
 
-  demo          run the greeter server and client (the main job)
+  demo          run the greeter server and client, and the inference
+                fan-out (shard-server, fanout-client) (the main job)
   test          run every test (installs what it needs first; RDMA tests
                 run in a Soft-RoCE VM)
   rxe           run a command next to a Soft-RoCE device in a VM
@@ -69,6 +70,8 @@ fn demo() -> Result<(), String> {
     let bin = workspace_root().join("target/debug");
     println!("== greeter over TCP");
     greeter_demo(&bin, "tcp://127.0.0.1:0")?;
+    println!("== inference fan-out over TCP: 4 shards x 2 replicas, one replica 10x slower");
+    fanout_demo(&bin, "tcp://127.0.0.1:0", 4, 1000)?;
     println!("== greeter over RDMA (Soft-RoCE device rxe0 in a VM; on a host with an RDMA NIC run");
     println!(
         "   greeter-server --addr rdma://NIC_IP:PORT and greeter-client --addr rdma://NIC_IP:PORT)"
@@ -85,10 +88,70 @@ fn demo_in_guest() -> Result<(), String> {
     let ip = std::env::var("RDMA_TEST_IP").map_err(|_| {
         "RDMA_TEST_IP is not set: demo-in-guest runs inside `cargo xtask rxe`".to_string()
     })?;
-    greeter_demo(
-        &workspace_root().join("target/debug"),
-        &format!("rdma://{ip}:0"),
-    )
+    let bin = workspace_root().join("target/debug");
+    greeter_demo(&bin, &format!("rdma://{ip}:0"))?;
+    println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower");
+    fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300)
+}
+
+/// Starts `shard-server` (`shards` x 2 replicas on `listen`, replica 0 of
+/// shard 0 ten times slower), runs `fanout-client` against them without and
+/// with hedging, then stops the server with SIGINT.
+fn fanout_demo(bin: &Path, listen: &str, shards: u32, queries: u32) -> Result<(), String> {
+    use std::io::BufRead;
+
+    let mut server = Command::new(bin.join("shard-server"))
+        .args([
+            "--addr",
+            listen,
+            "--shards",
+            &shards.to_string(),
+            "--replicas",
+            "2",
+        ])
+        .args(["--slow", "0:0", "--slow-factor", "10"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("could not start shard-server: {e}"))?;
+    let stdout = server.stdout.take().expect("piped stdout");
+    let mut client_args = Vec::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.map_err(|e| format!("reading shard-server's output: {e}"))?;
+        println!("shard-server: {line}");
+        if line == "ready" {
+            break;
+        }
+        match line.split_once(": ") {
+            Some((_, replicas)) if line.starts_with("shard ") => {
+                client_args.extend(["--shard".to_string(), replicas.to_string()]);
+            }
+            _ => {
+                let _ = server.kill();
+                return Err(format!("shard-server did not start (said {line:?})"));
+            }
+        }
+    }
+    let mut outcome = Ok(());
+    for hedge in ["off", "p95"] {
+        println!("-- fanout-client --hedge {hedge}");
+        outcome = run(Command::new(bin.join("fanout-client"))
+            .args(&client_args)
+            .args(["--queries", &queries.to_string(), "--hedge", hedge]));
+        if outcome.is_err() {
+            break;
+        }
+    }
+    let _ = Command::new("kill")
+        .args(["-INT", &server.id().to_string()])
+        .status();
+    let server_status = server
+        .wait()
+        .map_err(|e| format!("waiting for shard-server: {e}"))?;
+    outcome?;
+    if !server_status.success() {
+        return Err(format!("shard-server exited with {server_status}"));
+    }
+    Ok(())
 }
 
 /// Starts `greeter-server` on `listen`, runs `greeter-client` against the
