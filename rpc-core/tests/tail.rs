@@ -554,3 +554,66 @@ async fn the_percentile_delay_follows_recent_latencies() {
     // The 95th percentile of 1..=120 ms (nearest rank of 120 samples).
     assert_eq!(hedging.current_delay(), ms(114));
 }
+
+/// `slowmem://NAME`: `mem://NAME`, but connecting takes 200 ms (as an
+/// RDMA connection set-up does on an emulated device).
+struct SlowConnect;
+
+impl rpc_core::transport::Transport for SlowConnect {
+    fn scheme(&self) -> &'static str {
+        "slowmem"
+    }
+
+    fn connect<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> BoxFuture<'a, Result<rpc_core::transport::Connection, rpc_core::transport::TransportError>>
+    {
+        Box::pin(async move {
+            tokio::time::sleep(ms(200)).await;
+            let mem = rpc_core::transport::lookup("mem").expect("mem:// is built in");
+            mem.connect(authority, limits).await
+        })
+    }
+
+    fn listen<'a>(
+        &'a self,
+        authority: &'a str,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> BoxFuture<
+        'a,
+        Result<Box<dyn rpc_core::transport::Listener>, rpc_core::transport::TransportError>,
+    > {
+        let mem = rpc_core::transport::lookup("mem").expect("mem:// is built in");
+        Box::pin(async move { mem.listen(authority, limits).await })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_slower_than_the_calls_deadlines_still_gets_made() {
+    rpc_core::transport::register(Arc::new(SlowConnect));
+    let shard = serve(ms(1)).await;
+    let address = shard.address.replace("mem://", "slowmem://");
+    let client = client(&address);
+    // Every call gives up after 50 ms, while connecting takes 200: the
+    // attempt goes on without them, and a later call finds the connection.
+    let mut answered = None;
+    for attempt in 0..10 {
+        let mut request = Request::new(Bytes::from_static(b"late"));
+        request.set_timeout(ms(50));
+        match infer(&client, request).await {
+            Ok(reply) => {
+                answered = Some((attempt, reply));
+                break;
+            }
+            Err(status) => assert_eq!(status.code(), Code::DeadlineExceeded, "{status}"),
+        }
+    }
+    let (attempt, reply) = answered.expect("no call ever got a connection");
+    assert_eq!(reply, "late");
+    assert_eq!(
+        attempt, 4,
+        "the fifth call, at 200 ms, finds the connection made"
+    );
+}

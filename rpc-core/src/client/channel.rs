@@ -46,7 +46,7 @@ pub enum Balance {
 
 /// The replicas a channel balances over (one, for a plain channel).
 pub(super) struct Replicas {
-    replicas: Vec<Replica>,
+    replicas: Vec<Arc<Replica>>,
     policy: Balance,
     next: AtomicUsize,
 }
@@ -55,7 +55,8 @@ pub(super) struct Replicas {
 struct Replica {
     endpoint: Endpoint,
     state: Mutex<ConnState>,
-    connecting: tokio::sync::Mutex<()>,
+    /// Held by the one connection attempt in progress.
+    connecting: Arc<tokio::sync::Mutex<()>>,
 }
 
 enum ConnState {
@@ -126,7 +127,7 @@ impl Channel {
         endpoints: impl IntoIterator<Item = Endpoint>,
         policy: Balance,
     ) -> Result<Channel, AddressError> {
-        let replicas: Vec<Replica> = endpoints.into_iter().map(Replica::new).collect();
+        let replicas: Vec<Arc<Replica>> = endpoints.into_iter().map(Replica::new).collect();
         if replicas.is_empty() {
             return Err(AddressError::NoEndpoints);
         }
@@ -229,12 +230,12 @@ impl Replicas {
 }
 
 impl Replica {
-    fn new(endpoint: Endpoint) -> Replica {
-        Replica {
+    fn new(endpoint: Endpoint) -> Arc<Replica> {
+        Arc::new(Replica {
             endpoint,
             state: Mutex::new(ConnState::Idle),
-            connecting: tokio::sync::Mutex::new(()),
-        }
+            connecting: Arc::new(tokio::sync::Mutex::new(())),
+        })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, ConnState> {
@@ -292,12 +293,12 @@ impl Replica {
     /// needed. While the replica backs off, fails at once with
     /// `Unavailable`, or with `wait_for_ready` waits for the next attempt
     /// (the call's deadline bounds the wait).
-    async fn connection(&self, wait_for_ready: bool) -> Result<Arc<ClientConn>, Status> {
+    async fn connection(self: &Arc<Self>, wait_for_ready: bool) -> Result<Arc<ClientConn>, Status> {
         loop {
             if let Some(conn) = self.ready_connection() {
                 return Ok(conn);
             }
-            let one_dialer = self.connecting.lock().await;
+            let one_dialer = Arc::clone(&self.connecting).lock_owned().await;
             if let Some(conn) = self.ready_connection() {
                 return Ok(conn);
             }
@@ -325,26 +326,50 @@ impl Replica {
                 Some((_, delay, _)) => Some(delay),
                 None => None,
             };
-            match self.dial().await {
-                Ok(conn) => {
-                    *self.state() = ConnState::Ready(Arc::clone(&conn));
-                    return Ok(conn);
-                }
-                Err(error) => {
-                    let config = &self.endpoint.config;
-                    let delay = previous_delay
-                        .map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
-                    let message = error.to_string();
-                    *self.state() = ConnState::Backoff {
-                        retry_at: Instant::now() + delay,
-                        delay,
-                        error: message.clone(),
-                    };
-                    if wait_for_ready {
-                        continue;
-                    }
-                    return Err(Status::unavailable(message));
-                }
+            // The attempt runs in a task of its own: a caller whose deadline
+            // passes abandons its wait, not the attempt (on a device where
+            // connecting takes longer than calls' deadlines, abandoned
+            // attempts would never connect at all).
+            let replica = Arc::clone(self);
+            let attempt = tokio::spawn(async move {
+                let _one_dialer = one_dialer;
+                let outcome = replica.dial().await;
+                replica.record_attempt(outcome, previous_delay)
+            });
+            let outcome = attempt
+                .await
+                .unwrap_or_else(|e| Err(Status::internal(format!("connecting failed: {e}"))));
+            match outcome {
+                Ok(conn) => return Ok(conn),
+                Err(_) if wait_for_ready => continue,
+                Err(status) => return Err(status),
+            }
+        }
+    }
+
+    /// Records how a connection attempt went: the connection, or a backoff
+    /// (doubling `previous_delay`) before the next attempt.
+    fn record_attempt(
+        &self,
+        outcome: Result<Arc<ClientConn>, ConnectError>,
+        previous_delay: Option<Duration>,
+    ) -> Result<Arc<ClientConn>, Status> {
+        match outcome {
+            Ok(conn) => {
+                *self.state() = ConnState::Ready(Arc::clone(&conn));
+                Ok(conn)
+            }
+            Err(error) => {
+                let config = &self.endpoint.config;
+                let delay = previous_delay
+                    .map_or(config.backoff_initial, |d| (d * 2).min(config.backoff_max));
+                let message = error.to_string();
+                *self.state() = ConnState::Backoff {
+                    retry_at: Instant::now() + delay,
+                    delay,
+                    error: message.clone(),
+                };
+                Err(Status::unavailable(message))
             }
         }
     }
@@ -367,7 +392,7 @@ impl Endpoint {
 }
 
 impl Channel {
-    fn over(replica: Replica) -> Channel {
+    fn over(replica: Arc<Replica>) -> Channel {
         Channel {
             inner: Arc::new(Replicas {
                 replicas: vec![replica],
