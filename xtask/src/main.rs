@@ -71,7 +71,7 @@ fn demo() -> Result<(), String> {
     println!("== greeter over TCP");
     greeter_demo(&bin, "tcp://127.0.0.1:0")?;
     println!("== inference fan-out over TCP: 4 shards x 2 replicas, one replica 10x slower");
-    fanout_demo(&bin, "tcp://127.0.0.1:0", 4, 1000)?;
+    fanout_demo(&bin, "tcp://127.0.0.1:0", 4, 1000, 50)?;
     println!("== greeter over RDMA (Soft-RoCE device rxe0 in a VM; on a host with an RDMA NIC run");
     println!(
         "   greeter-server --addr rdma://NIC_IP:PORT and greeter-client --addr rdma://NIC_IP:PORT)"
@@ -90,14 +90,21 @@ fn demo_in_guest() -> Result<(), String> {
     })?;
     let bin = workspace_root().join("target/debug");
     greeter_demo(&bin, &format!("rdma://{ip}:0"))?;
-    println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower");
-    fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300)
+    // The emulated device and guest take ~20 ms a call: a deadline to match.
+    println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower, deadline 500 ms (emulated device)");
+    fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300, 500)
 }
 
 /// Starts `shard-server` (`shards` x 2 replicas on `listen`, replica 0 of
 /// shard 0 ten times slower), runs `fanout-client` against them without and
-/// with hedging, then stops the server with SIGINT.
-fn fanout_demo(bin: &Path, listen: &str, shards: u32, queries: u32) -> Result<(), String> {
+/// with hedging, under a deadline of `deadline_ms`, then stops the server with SIGINT.
+fn fanout_demo(
+    bin: &Path,
+    listen: &str,
+    shards: u32,
+    queries: u32,
+    deadline_ms: u32,
+) -> Result<(), String> {
     use std::io::BufRead;
 
     let mut server = Command::new(bin.join("shard-server"))
@@ -136,7 +143,8 @@ fn fanout_demo(bin: &Path, listen: &str, shards: u32, queries: u32) -> Result<()
         println!("-- fanout-client --hedge {hedge}");
         outcome = run(Command::new(bin.join("fanout-client"))
             .args(&client_args)
-            .args(["--queries", &queries.to_string(), "--hedge", hedge]));
+            .args(["--queries", &queries.to_string(), "--hedge", hedge])
+            .args(["--deadline-ms", &deadline_ms.to_string()]));
         if outcome.is_err() {
             break;
         }

@@ -184,6 +184,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             hedging,
         });
     }
+    // Warm up, unmeasured and without a deadline: connects every replica
+    // (an idle balanced channel takes its replicas in turn).
+    for query in 0..2 * args.shards.iter().map(Vec::len).max().unwrap_or(1) {
+        let request = InferRequest {
+            query: query as u64,
+            features: Default::default(),
+        };
+        for shard in &shards {
+            shard.client.infer(request.clone()).await?;
+        }
+    }
     let shards = Arc::new(shards);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
