@@ -50,6 +50,11 @@
 //! - A maximum message size (64 MiB by default): larger messages fail with
 //!   `ResourceExhausted` and the connection stays usable.
 //! - Reconnection with backoff; graceful server shutdown that drains calls.
+//! - For fan-out to many servers: [`Channel::balance`] over replicas
+//!   (least outstanding calls, ejection of failed replicas),
+//!   [`fanout::FanOut`] (one deadline, partial results, quorum, fail limit),
+//!   [`hedging::Hedging`] (backup requests under a budget),
+//!   [`Request::set_deadline`] and [`Endpoint::wait_for_ready`].
 //! - Keepalive pings on quiet connections: a peer that went silent (its host
 //!   died, a link was cut) fails its connection's calls with `Unavailable`
 //!   within 40 s by default, on every transport.

@@ -146,21 +146,21 @@ impl ClientConn {
         matches!(self.table().phase, Phase::Open)
     }
 
+    /// Registers a call; a connection that takes no more calls (draining or
+    /// closed) hands the inbox back with the reason, for the call to go elsewhere.
     pub(super) fn open_call(
         &self,
         window: Option<Arc<SendWindow>>,
         inbox: Inbox,
-    ) -> Result<u64, Status> {
+    ) -> Result<u64, (Status, Inbox)> {
         let mut table = self.table();
         match &table.phase {
             Phase::Open => {}
             Phase::Draining => {
-                return Err(Status::unavailable(format!(
-                    "{} is shutting down",
-                    self.peer
-                )))
+                let status = Status::unavailable(format!("{} is shutting down", self.peer));
+                return Err((status, inbox));
             }
-            Phase::Closed(status) => return Err(status.clone()),
+            Phase::Closed(status) => return Err((status.clone(), inbox)),
         }
         table.generation = table.generation.wrapping_add(1);
         let generation = table.generation;

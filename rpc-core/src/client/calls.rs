@@ -62,16 +62,29 @@ impl Client {
         metadata: &MetadataMap,
         deadline: Option<Instant>,
         first: Option<&dyn EncodePayload>,
-        inbox: Inbox,
-        avoid_replica: Option<usize>,
+        mut inbox: Inbox,
+        mut avoid_replica: Option<usize>,
     ) -> Result<(ActiveCall, Option<Arc<SendWindow>>), Status> {
         let sends_stream = first.is_none();
-        let Picked { conn, replica } = self.channel.pick(avoid_replica).await?;
         // A response stream's window records the client's grants, for the reader's check.
         let receives_stream = matches!(inbox, Inbox::Stream(_));
         let window = (sends_stream || receives_stream)
             .then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
-        let id = conn.open_call(window.clone(), inbox)?;
+        // A connection found draining (or just closed) took nothing: on a
+        // channel over several replicas the call goes to another, once.
+        let mut tries = self.channel.replica_count().min(2);
+        let (conn, replica, id) = loop {
+            let Picked { conn, replica } = self.channel.pick(avoid_replica).await?;
+            match conn.open_call(window.clone(), inbox) {
+                Ok(id) => break (conn, replica, id),
+                Err((status, _)) if tries <= 1 => return Err(status),
+                Err((_, returned)) => {
+                    inbox = returned;
+                    avoid_replica = Some(replica);
+                    tries -= 1;
+                }
+            }
+        };
         let call = ActiveCall {
             conn,
             id,
