@@ -80,6 +80,7 @@ pub mod codegen;
 pub mod fanout;
 pub mod frame;
 pub mod hedging;
+pub mod intercept;
 pub mod metadata;
 pub mod transport;
 

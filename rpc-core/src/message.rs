@@ -12,6 +12,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{OutBody, OutFrame};
+use crate::intercept::{Extensions, Peer};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
 use crate::transport::FrameSink;
@@ -23,6 +24,17 @@ pub struct Request<T> {
     message: T,
     metadata: MetadataMap,
     options: CallOptions,
+    /// The client, in a handler.
+    peer: Option<Arc<Peer>>,
+    extensions: Extensions,
+}
+
+/// What a server knows of a request besides its message and metadata.
+pub(crate) struct Received {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) peer: Arc<Peer>,
+    pub(crate) extensions: Extensions,
 }
 
 /// When a call must be done by, and whether it may be sent again: what a
@@ -41,6 +53,8 @@ impl<T> Request<T> {
             message,
             metadata: MetadataMap::new(),
             options: CallOptions::default(),
+            peer: None,
+            extensions: Extensions::new(),
         }
     }
 
@@ -111,22 +125,34 @@ impl<T> Request<T> {
         self.options.idempotent
     }
 
-    /// A request received by a server: the timeout the client sent, and the
-    /// deadline it makes from the call's arrival.
-    pub(crate) fn received(
-        message: T,
-        metadata: MetadataMap,
-        timeout: Option<Duration>,
-        deadline: Option<Instant>,
-    ) -> Request<T> {
+    /// In a handler, the client that made the call; `None` on a client.
+    pub fn peer(&self) -> Option<&Peer> {
+        self.peer.as_deref()
+    }
+
+    /// Values interceptors set for the handler (see [`crate::intercept`]).
+    pub fn extensions(&self) -> &Extensions {
+        &self.extensions
+    }
+
+    /// The values, to add to.
+    pub fn extensions_mut(&mut self) -> &mut Extensions {
+        &mut self.extensions
+    }
+
+    /// A request received by a server: the timeout the client sent, the
+    /// deadline it makes from the call's arrival, the client, the extensions.
+    pub(crate) fn received(message: T, metadata: MetadataMap, received: Received) -> Request<T> {
         Request {
             message,
             metadata,
             options: CallOptions {
-                timeout,
-                deadline,
+                timeout: received.timeout,
+                deadline: received.deadline,
                 idempotent: false,
             },
+            peer: Some(received.peer),
+            extensions: received.extensions,
         }
     }
 

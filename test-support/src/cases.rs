@@ -814,6 +814,40 @@ pub async fn a_balanced_channel_moves_on_from_a_dead_replica(listen: String, _pr
     other.stop().await;
 }
 
+pub async fn handlers_see_the_clients_address(listen: String, _profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let peer = client
+        .unary::<BytesCodec>("/test.Test/Peer", Request::new(Bytes::new()))
+        .await
+        .unwrap()
+        .into_inner();
+    let peer = String::from_utf8(peer.to_vec()).unwrap();
+    // Client and server share a host here: the client's address has the
+    // server's host, and a port of its own.
+    let host = server
+        .address
+        .split_once("://")
+        .and_then(|(_, authority)| authority.rsplit_once(':'))
+        .map_or("mem", |(host, _)| host);
+    assert!(
+        peer.contains(host),
+        "the handler saw {peer:?} (server at {})",
+        server.address
+    );
+    if let Some((_, port)) = peer
+        .rsplit_once(':')
+        .filter(|_| !listen.starts_with("mem://"))
+    {
+        let port: u16 = port.parse().unwrap_or_else(|_| panic!("{peer:?}"));
+        assert!(
+            !server.address.ends_with(&format!(":{port}")),
+            "{peer:?} is the server's own address"
+        );
+    }
+    server.stop().await;
+}
+
 /// Calls `$runner!(case, case, ...)` with the name of every case in this
 /// module: the one list of shared cases. A suite's runner macro turns each
 /// name into a test over its transport (see the crate docs).
@@ -843,6 +877,7 @@ macro_rules! for_each_case {
             calls_over_the_concurrency_limit_are_refused,
             fan_out_under_a_deadline_returns_partial_results_and_cancels_stragglers,
             a_balanced_channel_moves_on_from_a_dead_replica,
+            handlers_see_the_clients_address,
         );
     };
 }

@@ -70,7 +70,7 @@ impl Probes {
     }
 }
 
-/// `test.Test`: Echo, Fail, Sleep, Panic (unary); Count (server streaming);
+/// `test.Test`: Echo, Peer (answers the client's address), Fail, Sleep, Panic (unary); Count (server streaming);
 /// Sum (client streaming); Chat (bidi); Hold (client streaming that waits before reading).
 #[derive(Clone, Default)]
 pub struct TestService {
@@ -124,6 +124,12 @@ impl Service for TestService {
                         response.metadata_mut().insert("x-echo", value);
                     }
                     Ok(response)
+                })
+            }
+            "Peer" => {
+                codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
+                    let peer = request.peer().map(|p| p.address().to_string());
+                    Ok(Response::new(Bytes::from(peer.unwrap_or_default())))
                 })
             }
             "Fail" => {

@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::codec::{Codec, Encodable};
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{EncodePayload, OutBody, OutFrame};
+use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
 use crate::message::{
     CallOptions, Inbound, RecvWindow, Request, Response, Streaming, StreamingParts,
 };
@@ -52,6 +53,49 @@ impl Client {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// Runs the channel's interceptors on a call about to be sent; returns
+    /// when the call started if they are to hear of its end.
+    fn intercept(
+        &self,
+        path: &str,
+        metadata: &mut MetadataMap,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Instant>, Status> {
+        let interceptors = &self.channel.config().interceptors;
+        if interceptors.is_empty() {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let peer = Peer::new(self.channel.address());
+        let mut head = CallHead {
+            path,
+            metadata,
+            peer: &peer,
+            extensions: &mut Extensions::new(),
+            timeout: deadline.map(|d| d.saturating_duration_since(started)),
+        };
+        intercept::run_on_call(interceptors, &mut head)?;
+        Ok(Some(started))
+    }
+
+    /// Tells the interceptors how an intercepted call ended.
+    fn intercepted_end<T>(
+        &self,
+        path: &str,
+        started: Option<Instant>,
+        outcome: &Result<T, Status>,
+    ) {
+        let Some(started) = started else { return };
+        let ok = Status::new(Code::Ok, "");
+        let end = CallEnd {
+            path,
+            peer: &Peer::new(self.channel.address()),
+            status: outcome.as_ref().err().unwrap_or(&ok),
+            elapsed: started.elapsed(),
+        };
+        intercept::run_on_end(&self.channel.config().interceptors, &end);
     }
 
     /// Opens a call: registers it and sends its `Request` frame, carrying
@@ -150,8 +194,9 @@ impl Client {
         path: &str,
         request: Request<C::Encode>,
     ) -> Result<Response<C::Decode>, Status> {
-        let (message, metadata, options) = request.into_parts();
+        let (message, mut metadata, options) = request.into_parts();
         let deadline = self.deadline(&options);
+        let intercepted = self.intercept(path, &mut metadata, deadline)?;
         let retry = options.idempotent && self.channel.replica_count() > 1;
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
@@ -179,7 +224,9 @@ impl Client {
                 }
             }
         };
-        traced(path, deadline, call).await
+        let outcome = traced(path, deadline, call).await;
+        self.intercepted_end(path, intercepted, &outcome);
+        outcome
     }
 
     /// A server-streaming call: one request, a stream of responses.
@@ -188,8 +235,9 @@ impl Client {
         path: &str,
         request: Request<C::Encode>,
     ) -> Result<Response<Streaming<C::Decode>>, Status> {
-        let (message, metadata, options) = request.into_parts();
+        let (message, mut metadata, options) = request.into_parts();
         let deadline = self.deadline(&options);
+        self.intercept(path, &mut metadata, deadline)?;
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let (tx, rx) = mpsc::unbounded_channel();
@@ -224,8 +272,9 @@ impl Client {
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
     {
-        let (stream, metadata, options) = request.into_parts();
+        let (stream, mut metadata, options) = request.into_parts();
         let deadline = self.deadline(&options);
+        let intercepted = self.intercept(path, &mut metadata, deadline)?;
         let call = async {
             let (tx, rx) = oneshot::channel();
             let _call = self
@@ -233,7 +282,9 @@ impl Client {
                 .await?;
             receive_one::<C>(rx).await
         };
-        traced(path, deadline, call).await
+        let outcome = traced(path, deadline, call).await;
+        self.intercepted_end(path, intercepted, &outcome);
+        outcome
     }
 
     /// A bidirectional-streaming call: a stream each way.
@@ -246,8 +297,9 @@ impl Client {
         C: Codec,
         S: Stream<Item = C::Encode> + Send + 'static,
     {
-        let (stream, metadata, options) = request.into_parts();
+        let (stream, mut metadata, options) = request.into_parts();
         let deadline = self.deadline(&options);
+        self.intercept(path, &mut metadata, deadline)?;
         let call = async {
             let (tx, rx) = mpsc::unbounded_channel();
             let (call, window) = self

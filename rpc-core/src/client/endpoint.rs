@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::flow::{DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
 use crate::frame::{HEAD_LEN, MAX_HEADER_LEN};
+use crate::intercept::{Interceptor, Scoped};
 use crate::keepalive::{Keepalive, DEFAULT_KEEPALIVE};
 use crate::transport::{self, FrameLimits, Transport, TransportError};
 
@@ -88,6 +89,7 @@ pub(super) struct ChannelConfig {
     pub(super) backoff_max: Duration,
     pub(super) keepalive: Option<Keepalive>,
     pub(super) wait_for_ready: bool,
+    pub(super) interceptors: Vec<Scoped>,
 }
 
 /// Where and how to connect; builds a [`Channel`](super::Channel).
@@ -138,6 +140,7 @@ impl Endpoint {
                 backoff_max: Duration::from_secs(10),
                 keepalive: Some(DEFAULT_KEEPALIVE),
                 wait_for_ready: false,
+                interceptors: Vec::new(),
             },
         })
     }
@@ -185,6 +188,15 @@ impl Endpoint {
     /// unreachable. (Default: off, calls fail fast, as in gRPC.)
     pub fn wait_for_ready(mut self, wait: bool) -> Endpoint {
         self.config.wait_for_ready = wait;
+        self
+    }
+
+    /// Runs `interceptor` on every call made on this channel, before it is
+    /// sent (after those added before it): to add metadata (credentials, a
+    /// trace context) or refuse the call locally; its `on_end` hears how
+    /// calls with a single response ended. See [`intercept`](crate::intercept).
+    pub fn intercept(mut self, interceptor: impl Interceptor) -> Endpoint {
+        self.config.interceptors.push((None, Arc::new(interceptor)));
         self
     }
 

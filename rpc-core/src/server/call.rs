@@ -14,7 +14,8 @@ use tokio::time::Instant;
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
 use crate::frame::{EncodePayload, OutBody, OutFrame};
-use crate::message::{Inbound, RecvWindow, Request, Response, Streaming, StreamingParts};
+use crate::intercept::{Extensions, Peer};
+use crate::message::{Inbound, Received, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
 use crate::transport::BoxFuture;
@@ -30,6 +31,9 @@ pub struct ServerCall {
     pub(super) timeout: Option<Duration>,
     /// When the client's time runs out: arrival plus `timeout`.
     pub(super) deadline: Option<Instant>,
+    pub(super) peer: Arc<Peer>,
+    /// What interceptors handed the handler.
+    pub(super) extensions: Extensions,
     pub(super) first: Option<Bytes>,
     pub(super) inbound: Option<mpsc::UnboundedReceiver<Inbound>>,
     pub(super) window: Arc<SendWindow>,
@@ -44,6 +48,16 @@ impl std::fmt::Debug for ServerCall {
 }
 
 impl ServerCall {
+    /// The peer, extensions and time of the call, for its `Request`.
+    fn received_options(&mut self) -> Received {
+        Received {
+            timeout: self.timeout,
+            deadline: self.deadline,
+            peer: Arc::clone(&self.peer),
+            extensions: std::mem::take(&mut self.extensions),
+        }
+    }
+
     /// The single request message of a unary or server-streaming call.
     fn single_request<C: Codec>(&mut self) -> Result<Request<C::Decode>, Status> {
         if self.inbound.is_some() {
@@ -58,8 +72,7 @@ impl ServerCall {
         Ok(Request::received(
             C::decode(bytes)?,
             std::mem::take(&mut self.metadata),
-            self.timeout,
-            self.deadline,
+            self.received_options(),
         ))
     }
 
@@ -88,8 +101,7 @@ impl ServerCall {
         Request::received(
             stream,
             std::mem::take(&mut self.metadata),
-            self.timeout,
-            self.deadline,
+            self.received_options(),
         )
     }
 

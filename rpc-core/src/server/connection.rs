@@ -17,6 +17,7 @@ use tracing::Instrument;
 
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
 use crate::keepalive::{KeepaliveTimer, Tick};
 use crate::message::Inbound;
 use crate::metadata::MetadataMap;
@@ -30,6 +31,8 @@ use super::{Routes, Service};
 pub(super) struct ServerConn {
     pub(super) sink: Arc<dyn FrameSink>,
     pub(super) peer: String,
+    /// The client as handlers and interceptors see it.
+    peer_info: Arc<Peer>,
     pub(super) routes: Arc<Routes>,
     calls: Mutex<HashMap<u64, CallSlot>>,
     /// Handlers' final statuses waiting for room in the sink (their slots are gone).
@@ -59,11 +62,32 @@ struct CallSlot {
     received: u64,
     window: Arc<SendWindow>,
     task: Option<AbortHandle>,
+    /// For interceptors' `on_end`: set only when the server has interceptors.
+    observed: Option<Box<Observed>>,
+}
+
+/// What `on_end` needs of a call that interceptors admitted.
+struct Observed {
+    path: String,
+    started: Instant,
 }
 
 impl ServerConn {
     fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CallSlot>> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells the interceptors a call they admitted ended with `status`.
+    fn observe_end(&self, observed: Option<Box<Observed>>, status: &Status) {
+        if let Some(observed) = observed {
+            let end = CallEnd {
+                path: &observed.path,
+                peer: &self.peer_info,
+                status,
+                elapsed: observed.started.elapsed(),
+            };
+            intercept::run_on_end(&self.routes.interceptors, &end);
+        }
     }
 
     /// Removes call `id`; returns whether it was open (so exactly one final status is sent).
@@ -90,7 +114,7 @@ impl ServerConn {
         // The slot goes now (the client may reuse the id once it has the
         // status), but the call counts against the limit until the frame is
         // in the sink.
-        let Some(_finishing) = self.end_call_for_final(id) else {
+        let Some((_finishing, observed)) = self.end_call_for_final(id) else {
             return; // cancelled, or already finished
         };
         let fallback;
@@ -104,6 +128,7 @@ impl ServerConn {
         if let Err(error) = self.sink.send(&frame).await {
             tracing::debug!(peer = %self.peer, "final status not sent: {error}");
         }
+        self.observe_end(observed, status);
     }
 
     /// Calls open, final statuses waiting for room included: what the limit counts.
@@ -113,20 +138,23 @@ impl ServerConn {
 
     /// Ends call `id` for its handler's final status: the returned guard
     /// counts it as open until the status is in the sink (or given up on).
-    fn end_call_for_final(&self, id: u64) -> Option<FinalInFlight<'_>> {
+    fn end_call_for_final(&self, id: u64) -> Option<(FinalInFlight<'_>, Option<Box<Observed>>)> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
         slot.window.close();
         self.finishing.fetch_add(1, Ordering::AcqRel);
-        Some(FinalInFlight(self))
+        Some((FinalInFlight(self), slot.observed))
     }
 
     fn abort_all(&self) {
-        for (_, slot) in self.calls().drain() {
+        let slots: Vec<CallSlot> = self.calls().drain().map(|(_, slot)| slot).collect();
+        for slot in slots {
             slot.window.close();
             if let Some(task) = slot.task {
                 task.abort();
             }
+            let closed = Status::cancelled("the connection closed before the call finished");
+            self.observe_end(slot.observed, &closed);
         }
     }
 
@@ -216,15 +244,16 @@ impl ServerConn {
                 if frame.payload.is_some() && slot.received >= granted {
                     let received = slot.received;
                     drop(calls);
-                    if let Some(slot) = self.end_call(id) {
-                        if let Some(task) = slot.task {
-                            task.abort();
-                        }
-                    }
                     let status = Status::resource_exhausted(format!(
                         "the client sent {received} bytes on the request stream and more, \
                          beyond the {granted}-byte window the server granted (flow control ignored)"
                     ));
+                    if let Some(slot) = self.end_call(id) {
+                        if let Some(task) = slot.task {
+                            task.abort();
+                        }
+                        self.observe_end(slot.observed, &status);
+                    }
                     backlog.refuse(&*self.sink, id, status);
                     return Ok(());
                 }
@@ -246,6 +275,7 @@ impl ServerConn {
                     if let Some(task) = slot.task {
                         task.abort();
                     }
+                    self.observe_end(slot.observed, &Status::cancelled("cancelled by the client"));
                 }
             }
             FrameBody::WindowUpdate(bytes) => {
@@ -354,6 +384,7 @@ impl ServerConn {
                     if let Some(task) = slot.task {
                         task.abort();
                     }
+                    self.observe_end(slot.observed, &status);
                     backlog.refuse(&*self.sink, id, status);
                 }
             }
@@ -368,7 +399,7 @@ impl ServerConn {
         id: u64,
         path: String,
         timeout: Option<Duration>,
-        metadata: MetadataMap,
+        mut metadata: MetadataMap,
         first: Option<Bytes>,
         end_stream: bool,
         backlog: &mut RefusalBacklog,
@@ -376,6 +407,26 @@ impl ServerConn {
         let Some((service, method)) = route(&self.routes, &path) else {
             let status = Status::unimplemented(format!("no service for method {path}"));
             return backlog.refuse(&*self.sink, id, status);
+        };
+        let mut extensions = Extensions::new();
+        let observed = if self.routes.interceptors.is_empty() {
+            None
+        } else {
+            let started = Instant::now();
+            let mut head = CallHead {
+                path: &path,
+                metadata: &mut metadata,
+                peer: &self.peer_info,
+                extensions: &mut extensions,
+                timeout,
+            };
+            if let Err(status) = intercept::run_on_call(&self.routes.interceptors, &mut head) {
+                return backlog.refuse(&*self.sink, id, status);
+            }
+            Some(Box::new(Observed {
+                path: path.clone(),
+                started,
+            }))
         };
         let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
         let (inbound_tx, inbound_rx) = if end_stream {
@@ -391,6 +442,7 @@ impl ServerConn {
                 received: 0,
                 window: Arc::clone(&window),
                 task: None,
+                observed,
             },
         );
         let deadline = timeout.map(|t| Instant::now() + t);
@@ -400,6 +452,8 @@ impl ServerConn {
             metadata,
             timeout,
             deadline,
+            peer: Arc::clone(&self.peer_info),
+            extensions,
             first,
             inbound: inbound_rx,
             window,
@@ -533,6 +587,7 @@ pub(super) async fn serve_connection(
 ) {
     let conn = Arc::new(ServerConn {
         sink: connection.sink,
+        peer_info: Arc::new(Peer::new(connection.peer.clone())),
         peer: connection.peer,
         routes,
         calls: Mutex::new(HashMap::new()),
@@ -677,6 +732,7 @@ mod tests {
                 timeout: Duration::from_secs(1),
             }),
             max_concurrent_calls: Some(1),
+            interceptors: Vec::new(),
         });
         let (_shutdown_tx, shutdown) = watch::channel(false);
         tokio::time::timeout(

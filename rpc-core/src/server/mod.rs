@@ -24,6 +24,7 @@ use crate::client::{
     frame_limits, resolve, AddressError, DEFAULT_MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE_LIMIT,
 };
 use crate::flow::{DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
+use crate::intercept::{Interceptor, Scoped};
 use crate::keepalive::{Keepalive, DEFAULT_KEEPALIVE};
 use crate::transport::{BoxFuture, Listener, TransportError};
 
@@ -80,6 +81,7 @@ impl Server {
             shutdown_grace: None,
             keepalive: Some(DEFAULT_KEEPALIVE),
             max_concurrent_calls: Some(DEFAULT_MAX_CONCURRENT_CALLS),
+            interceptors: Vec::new(),
         }
     }
 }
@@ -119,6 +121,7 @@ pub struct ServerBuilder {
     shutdown_grace: Option<Duration>,
     keepalive: Option<Keepalive>,
     max_concurrent_calls: Option<usize>,
+    interceptors: Vec<Scoped>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -186,6 +189,24 @@ impl ServerBuilder {
         self
     }
 
+    /// Runs `interceptor` around every call to every service, after those
+    /// added before it; see [`intercept`](crate::intercept).
+    pub fn intercept(mut self, interceptor: impl Interceptor) -> ServerBuilder {
+        self.interceptors.push((None, Arc::new(interceptor)));
+        self
+    }
+
+    /// Runs `interceptor` around the calls to one service (`package.Service`).
+    pub fn intercept_service(
+        mut self,
+        service: impl Into<String>,
+        interceptor: impl Interceptor,
+    ) -> ServerBuilder {
+        self.interceptors
+            .push((Some(service.into()), Arc::new(interceptor)));
+        self
+    }
+
     /// No keepalive pings: handlers of a client whose host died run on until they finish.
     pub fn no_keepalive(mut self) -> ServerBuilder {
         self.keepalive = None;
@@ -211,6 +232,7 @@ impl ServerBuilder {
                 stream_window: self.stream_window,
                 keepalive: self.keepalive,
                 max_concurrent_calls: self.max_concurrent_calls,
+                interceptors: self.interceptors,
             }),
             shutdown_grace: self.shutdown_grace,
         })
@@ -237,6 +259,7 @@ struct Routes {
     stream_window: u32,
     keepalive: Option<Keepalive>,
     max_concurrent_calls: Option<usize>,
+    interceptors: Vec<Scoped>,
 }
 
 /// A server listening on an address, not yet serving.
