@@ -12,7 +12,9 @@
 //! distribution with the given mean; `--slow SHARD:REPLICA` makes one
 //! replica `--slow-factor` times slower. Prints one line per shard,
 //! `shard S: ADDR,ADDR` (its replicas, the `--shard` argument of
-//! `fanout-client`), then `ready`; shuts down on Ctrl-C.
+//! `fanout-client`), then `ready`; shuts down on Ctrl-C. Each server also
+//! serves the standard health service (`grpc.health.v1.Health`), reporting
+//! `shard.Model` serving until shutdown begins.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -133,6 +135,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut servers = Vec::new();
+    let mut reporters = Vec::new();
     for shard in 0..args.shards {
         let mut addresses = Vec::new();
         for replica in 0..args.replicas {
@@ -149,8 +152,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15 ^ u64::from(shard << 16 | replica) | 1),
             };
             let index = shard * args.replicas + replica;
+            let (health, health_service) = rpc_health::health_service();
+            health.set_serving("shard.Model");
+            reporters.push(health);
             let server = rpc_core::Server::builder()
                 .add_service(ModelServer::new(model))
+                .add_service(health_service)
                 .bind(&address_of(&args.addr, index))
                 .await?;
             addresses.push(server.local_addr().to_string());
@@ -163,6 +170,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("ready");
     tokio::signal::ctrl_c().await?;
+    for health in &reporters {
+        health.set_not_serving("shard.Model");
+        health.set_not_serving("");
+    }
     stop_tx.send(true)?;
     for server in servers {
         server.await??;
