@@ -83,8 +83,10 @@ impl Peer {
 /// (values are shared).
 #[derive(Clone, Default)]
 pub struct Extensions {
-    /// Empty (no allocation) unless something is stored.
-    map: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    /// `None` unless something is stored: every request carries one, so it
+    /// is a pointer wide and costs no hasher set-up when unused.
+    #[allow(clippy::box_collection)]
+    map: Option<Box<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>>,
 }
 
 impl Extensions {
@@ -95,29 +97,36 @@ impl Extensions {
 
     /// Stores `value`, replacing any earlier value of its type.
     pub fn insert<T: Send + Sync + 'static>(&mut self, value: T) {
-        self.map.insert(TypeId::of::<T>(), Arc::new(value));
+        self.map
+            .get_or_insert_with(Box::default)
+            .insert(TypeId::of::<T>(), Arc::new(value));
     }
 
     /// The value of type `T`, if one was stored.
     pub fn get<T: Send + Sync + 'static>(&self) -> Option<&T> {
-        self.map.get(&TypeId::of::<T>())?.downcast_ref::<T>()
+        self.map
+            .as_ref()?
+            .get(&TypeId::of::<T>())?
+            .downcast_ref::<T>()
     }
 
     /// Removes the value of type `T`; whether there was one.
     pub fn remove<T: Send + Sync + 'static>(&mut self) -> bool {
-        self.map.remove(&TypeId::of::<T>()).is_some()
+        self.map
+            .as_mut()
+            .is_some_and(|map| map.remove(&TypeId::of::<T>()).is_some())
     }
 
     /// Whether nothing is stored.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.as_ref().is_none_or(|map| map.is_empty())
     }
 }
 
 impl fmt::Debug for Extensions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Extensions")
-            .field("values", &self.map.len())
+            .field("values", &self.map.as_ref().map_or(0, |map| map.len()))
             .finish()
     }
 }

@@ -158,6 +158,17 @@ impl Channel {
     /// for all waiting callers). `avoid` is a replica not to use if another
     /// can be (a call's retry goes elsewhere).
     pub(super) async fn pick(&self, avoid: Option<usize>) -> Result<Picked, Status> {
+        if let [only] = self.inner.replicas.as_slice() {
+            if let Some(conn) = only.ready_connection() {
+                return Ok(Picked { conn, replica: 0 });
+            }
+        }
+        // Boxed: every call's future would otherwise carry (and move) the
+        // state of connecting, which only the first call and reconnections need.
+        Box::pin(self.pick_or_connect(avoid)).await
+    }
+
+    async fn pick_or_connect(&self, avoid: Option<usize>) -> Result<Picked, Status> {
         let replicas = &self.inner.replicas;
         let wait = self.config().wait_for_ready;
         if let [only] = replicas.as_slice() {
