@@ -47,6 +47,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub mod client;
+pub mod fanout;
 pub mod measure;
 pub mod server;
 

@@ -6,8 +6,12 @@
 //! lines. The RDMA part ([`rdma`]): rdma-rpc over `rdma://` and perftest on
 //! the Soft-RoCE device, in one `cargo xtask rxe` guest. Each part prints
 //! its side-by-side tables, checks the targets, and writes its own section
-//! of the markdown report and its own SVG plot.
+//! of the markdown report and its own SVG plot. The fan-out part
+//! ([`fanout`], `fanout-bench`): whole fan-outs to 4, 16 and 64 shards,
+//! rdma-rpc against tonic with `join_all`, with one slow replica with and
+//! without hedging, over TCP and (in the guest) RDMA.
 
+mod fanout;
 mod rdma;
 
 use std::collections::BTreeMap;
@@ -20,19 +24,25 @@ use std::time::Instant;
 use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
-  cargo xtask bench [--quick] [--tcp] [--rdma] [--rpc-addr URL] [--out DIR]
+  cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--rpc-addr URL] [--out DIR]
     --quick         short measurements (about two minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
     --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
     --rdma          run the RDMA part: rdma-rpc over rdma:// vs perftest on
                     Soft-RoCE, in one qemu guest (`cargo xtask rxe`; about
                     2 minutes with --quick, 5 to 6 without)
-                    [without --tcp or --rdma: both for a full run, the TCP
-                    part alone for --quick]
+    --fanout        run the fan-out part: 4, 16, 64 shards x 2 replicas,
+                    rdma-rpc (FanOut, hedging) vs tonic + join_all over TCP,
+                    and rdma-rpc over rdma:// in a Soft-RoCE guest (about
+                    8 minutes; 4 with --quick)
+    --fanout-tcp    the fan-out part over TCP only (no guest)
+                    [without --tcp, --rdma or --fanout: all three for a full
+                    run, the TCP part alone for --quick]
     --rpc-addr URL  where the TCP part's rdma-rpc server listens
                     [tcp://127.0.0.1:0] (the comparators stay on TCP)
-    --out DIR       write benchmarks.md, benchmarks.svg (TCP) and
-                    benchmarks-rdma.svg (RDMA) into DIR, replacing only the
+    --out DIR       write benchmarks.md, benchmarks.svg (TCP),
+                    benchmarks-rdma.svg (RDMA) and benchmarks-fanout.svg
+                    (fan-out) into DIR, replacing only the
                     generated sections of the parts that ran
                     [docs/ for a full run, target/bench/ for --quick]";
 
@@ -87,6 +97,10 @@ struct Settings {
     tcp: bool,
     /// Run the RDMA part.
     rdma: bool,
+    /// Run the fan-out part.
+    fanout: bool,
+    /// The fan-out part also runs over RDMA (in the guest).
+    fanout_rdma: bool,
     rpc_addr: String,
     out: PathBuf,
     client_args: Vec<String>,
@@ -116,8 +130,17 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
     // bench-node links transport-rdma (rdma-sys runs bindgen).
     setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
     let started = Instant::now();
-    eprintln!("xtask bench: building bench-node (release)");
-    cargo(&["build", "--release", "-p", "benches", "--bin", "bench-node"])?;
+    eprintln!("xtask bench: building bench-node and fanout-bench (release)");
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "benches",
+        "--bin",
+        "bench-node",
+        "--bin",
+        "fanout-bench",
+    ])?;
     let node = target_dir().join("release/bench-node");
     std::fs::create_dir_all(&settings.out)
         .map_err(|e| format!("creating {}: {e}", settings.out.display()))?;
@@ -136,6 +159,21 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         println!("\n{}", part.tables);
         if let Some(failed) = part.failed {
             return Err(failed);
+        }
+    }
+    if settings.fanout {
+        let fanout_node = target_dir().join("release/fanout-bench");
+        let part = fanout::run(&fanout_node, &settings, settings.fanout_rdma)?;
+        write_part(
+            &settings,
+            fanout::SVG_NAME,
+            &part.svg,
+            &part.generated,
+            fanout::MARKERS,
+        )?;
+        println!("\n{}", part.tables);
+        if let Some(failed) = part.failed {
+            return Err(format!("the fan-out part is incomplete: {failed}"));
         }
     }
     eprintln!(
@@ -229,6 +267,7 @@ fn target_dir() -> PathBuf {
 fn parse(given: &[String]) -> Result<Settings, String> {
     let mut quick = false;
     let (mut tcp, mut rdma) = (false, false);
+    let (mut fanout, mut fanout_rdma) = (false, false);
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
     let mut args = given.iter();
@@ -237,15 +276,19 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             "--quick" => quick = true,
             "--tcp" => tcp = true,
             "--rdma" => rdma = true,
+            "--fanout" => (fanout, fanout_rdma) = (true, true),
+            "--fanout-tcp" => fanout = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
             "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
     }
-    if !tcp && !rdma {
+    if !tcp && !rdma && !fanout {
         tcp = true;
         rdma = !quick;
+        fanout = !quick;
+        fanout_rdma = !quick;
     }
     let root = workspace_root();
     let out = out.unwrap_or_else(|| {
@@ -286,6 +329,8 @@ fn parse(given: &[String]) -> Result<Settings, String> {
         quick,
         tcp,
         rdma,
+        fanout,
+        fanout_rdma,
         rpc_addr,
         out,
         client_args,
