@@ -58,7 +58,9 @@
 //! - Keepalive pings on quiet connections: a peer that went silent (its host
 //!   died, a link was cut) fails its connection's calls with `Unavailable`
 //!   within 40 s by default, on every transport.
-//! - A `tracing` span per call (`rpc.client`, `rpc.server`).
+//! - A `tracing` span per call (`rpc.client`, `rpc.server`); W3C trace
+//!   context (`traceparent`) carried across calls with
+//!   [`trace::TracePropagation`], so a fan-out's calls share a trace.
 //!
 //! # Failures
 //! A broken connection ends every call on it with `Unavailable`; a handler
@@ -82,6 +84,7 @@ pub mod frame;
 pub mod hedging;
 pub mod intercept;
 pub mod metadata;
+pub mod trace;
 pub mod transport;
 
 mod client;

@@ -22,6 +22,7 @@ use crate::keepalive::{KeepaliveTimer, Tick};
 use crate::message::Inbound;
 use crate::metadata::MetadataMap;
 use crate::status::Status;
+use crate::trace::TraceContext;
 use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
 
 use super::call::ServerCall;
@@ -428,6 +429,13 @@ impl ServerConn {
                 started,
             }))
         };
+        // Only an interceptor (`trace::TracePropagation`) puts a trace
+        // context in the extensions.
+        let trace = if observed.is_some() {
+            extensions.get::<TraceContext>().copied()
+        } else {
+            None
+        };
         let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
         let (inbound_tx, inbound_rx) = if end_stream {
             (None, None)
@@ -458,16 +466,38 @@ impl ServerConn {
             inbound: inbound_rx,
             window,
         };
-        let span = tracing::debug_span!("rpc.server", method = %path, peer = %self.peer);
+        let span = tracing::debug_span!(
+            "rpc.server",
+            method = %path,
+            peer = %self.peer,
+            trace_id = tracing::field::Empty
+        );
         let run = run_call(Arc::clone(self), id, service, method, path, deadline, call);
-        let task = if span.is_disabled() {
-            tokio::spawn(run)
-        } else {
-            tokio::spawn(run.instrument(span))
+        let task = match trace {
+            None => spawn_in(span, run),
+            Some(context) => {
+                span.record(
+                    "trace_id",
+                    tracing::field::display(format_args!("{:032x}", context.trace_id())),
+                );
+                spawn_in(span, context.scope(run))
+            }
         };
         if let Some(slot) = self.calls().get_mut(&id) {
             slot.task = Some(task.abort_handle());
         }
+    }
+}
+
+/// Spawns a call's task, in its span when the span is enabled.
+fn spawn_in<F>(span: tracing::Span, run: F) -> tokio::task::JoinHandle<()>
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    if span.is_disabled() {
+        tokio::spawn(run)
+    } else {
+        tokio::spawn(run.instrument(span))
     }
 }
 
