@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::codec::{Codec, Encodable};
 use crate::flow::SendWindow;
 use crate::frame::{EncodePayload, OutBody, OutFrame};
-use crate::intercept::{Extensions, Peer};
+use crate::intercept::Extensions;
 use crate::message::{Inbound, Received, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -31,7 +31,6 @@ pub struct ServerCall {
     pub(super) timeout: Option<Duration>,
     /// When the client's time runs out: arrival plus `timeout`.
     pub(super) deadline: Option<Instant>,
-    pub(super) peer: Arc<Peer>,
     /// What interceptors handed the handler.
     pub(super) extensions: Extensions,
     pub(super) first: Option<Bytes>,
@@ -53,7 +52,7 @@ impl ServerCall {
         Received {
             timeout: self.timeout,
             deadline: self.deadline,
-            peer: Arc::clone(&self.peer),
+            peer: Arc::clone(self.conn.peer_info()),
             extensions: std::mem::take(&mut self.extensions),
         }
     }

@@ -78,6 +78,11 @@ impl ServerConn {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The client as handlers see it.
+    pub(super) fn peer_info(&self) -> &Arc<Peer> {
+        &self.peer_info
+    }
+
     /// Tells the interceptors a call they admitted ended with `status`.
     fn observe_end(&self, observed: Option<Box<Observed>>, status: &Status) {
         if let Some(observed) = observed {
@@ -460,7 +465,6 @@ impl ServerConn {
             metadata,
             timeout,
             deadline,
-            peer: Arc::clone(&self.peer_info),
             extensions,
             first,
             inbound: inbound_rx,
