@@ -249,7 +249,7 @@ pub(crate) type Scoped = (Option<String>, Arc<dyn Interceptor>);
 /// `on_end` of those that ran, and the rejection.
 pub(crate) fn run_on_call(interceptors: &[Scoped], head: &mut CallHead<'_>) -> Result<(), Status> {
     for (i, (scope, interceptor)) in interceptors.iter().enumerate() {
-        if !in_scope(scope, head.service()) {
+        if !in_scope(scope, head.path) {
             continue;
         }
         if let Err(status) = interceptor.on_call(head) {
@@ -268,9 +268,8 @@ pub(crate) fn run_on_call(interceptors: &[Scoped], head: &mut CallHead<'_>) -> R
 
 /// Runs `on_end` of each interceptor in scope.
 pub(crate) fn run_on_end(interceptors: &[Scoped], end: &CallEnd<'_>) {
-    let service = service_of(end.path);
     for (scope, interceptor) in interceptors {
-        if in_scope(scope, service) {
+        if in_scope(scope, end.path) {
             interceptor.on_end(end);
         }
     }
@@ -282,6 +281,8 @@ fn service_of(path: &str) -> &str {
         .map_or("", |(service, _)| service)
 }
 
-fn in_scope(scope: &Option<String>, service: &str) -> bool {
-    scope.as_deref().is_none_or(|s| s == service)
+/// Whether a call to `path` is in `scope` (the path is parsed only for a
+/// scoped interceptor).
+fn in_scope(scope: &Option<String>, path: &str) -> bool {
+    scope.as_deref().is_none_or(|s| s == service_of(path))
 }

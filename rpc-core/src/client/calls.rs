@@ -14,7 +14,7 @@ use tracing::Instrument;
 use crate::codec::{Codec, Encodable};
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{EncodePayload, OutBody, OutFrame};
-use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
+use crate::intercept::{self, CallEnd, CallHead, Extensions};
 use crate::message::{
     CallOptions, Inbound, RecvWindow, Request, Response, Streaming, StreamingParts,
 };
@@ -68,11 +68,10 @@ impl Client {
             return Ok(None);
         }
         let started = Instant::now();
-        let peer = Peer::new(self.channel.address());
         let mut head = CallHead {
             path,
             metadata,
-            peer: &peer,
+            peer: self.channel.peer(),
             extensions: &mut Extensions::new(),
             timeout: deadline.map(|d| d.saturating_duration_since(started)),
         };
@@ -91,7 +90,7 @@ impl Client {
         let ok = Status::new(Code::Ok, "");
         let end = CallEnd {
             path,
-            peer: &Peer::new(self.channel.address()),
+            peer: self.channel.peer(),
             status: outcome.as_ref().err().unwrap_or(&ok),
             elapsed: started.elapsed(),
         };

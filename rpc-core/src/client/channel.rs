@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::intercept::Peer;
 use crate::status::Status;
 
 use super::call_table::ClientConn;
@@ -47,6 +48,8 @@ pub enum Balance {
 /// The replicas a channel balances over (one, for a plain channel).
 pub(super) struct Replicas {
     replicas: Vec<Arc<Replica>>,
+    /// The server as client interceptors see it (the first replica).
+    peer: Peer,
     policy: Balance,
     next: AtomicUsize,
 }
@@ -133,6 +136,7 @@ impl Channel {
         }
         Ok(Channel {
             inner: Arc::new(Replicas {
+                peer: Peer::new(replicas[0].endpoint.address.clone()),
                 replicas,
                 policy,
                 next: AtomicUsize::new(0),
@@ -143,6 +147,11 @@ impl Channel {
     /// The address this channel connects to (the first replica's, for a balanced channel).
     pub fn address(&self) -> &str {
         &self.inner.replicas[0].endpoint.address
+    }
+
+    /// The server as client interceptors see it.
+    pub(super) fn peer(&self) -> &Peer {
+        &self.inner.peer
     }
 
     /// How many replicas the channel balances over (1 for a plain channel).
@@ -406,6 +415,7 @@ impl Channel {
     fn over(replica: Arc<Replica>) -> Channel {
         Channel {
             inner: Arc::new(Replicas {
+                peer: Peer::new(replica.endpoint.address.clone()),
                 replicas: vec![replica],
                 policy: Balance::default(),
                 next: AtomicUsize::new(0),
