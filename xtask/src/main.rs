@@ -117,11 +117,13 @@ fn fanout_demo(
             "2",
         ])
         .args(["--slow", "0:0", "--slow-factor", "10"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| format!("could not start shard-server: {e}"))?;
     let stdout = server.stdout.take().expect("piped stdout");
     let mut client_args = Vec::new();
+    let mut metrics_at = None;
     for line in std::io::BufReader::new(stdout).lines() {
         let line = line.map_err(|e| format!("reading shard-server's output: {e}"))?;
         println!("shard-server: {line}");
@@ -131,6 +133,12 @@ fn fanout_demo(
         match line.split_once(": ") {
             Some((_, replicas)) if line.starts_with("shard ") => {
                 client_args.extend(["--shard".to_string(), replicas.to_string()]);
+            }
+            Some(("metrics", url)) => {
+                metrics_at = url
+                    .strip_prefix("http://")
+                    .and_then(|u| u.strip_suffix("/metrics"))
+                    .map(str::to_string);
             }
             _ => {
                 let _ = server.kill();
@@ -149,6 +157,12 @@ fn fanout_demo(
             break;
         }
     }
+    if outcome.is_ok() {
+        outcome = match &metrics_at {
+            Some(address) => show_metrics(address),
+            None => Err("shard-server did not print its metrics address".into()),
+        };
+    }
     let _ = Command::new("kill")
         .args(["-INT", &server.id().to_string()])
         .status();
@@ -160,6 +174,43 @@ fn fanout_demo(
         return Err(format!("shard-server exited with {server_status}"));
     }
     Ok(())
+}
+
+/// Scrapes `http://ADDRESS/metrics` and prints the servers' handled-call
+/// counters; fails unless some calls were counted as `OK`.
+fn show_metrics(address: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+
+    let mut stream = std::net::TcpStream::connect(address)
+        .map_err(|e| format!("connecting to the metrics endpoint {address}: {e}"))?;
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    let mut response = String::new();
+    stream
+        .write_all(request.as_bytes())
+        .and_then(|()| stream.read_to_string(&mut response))
+        .map_err(|e| format!("scraping {address}: {e}"))?;
+    println!("-- GET http://{address}/metrics (rpc_server_handled_total)");
+    let mut ok_calls = 0.0;
+    for line in response
+        .lines()
+        .filter(|l| l.starts_with("rpc_server_handled_total{"))
+    {
+        println!("{line}");
+        if line.contains("code=\"OK\"") {
+            ok_calls += line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        }
+    }
+    if ok_calls > 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "the metrics endpoint counted no successful calls:\n{response}"
+        ))
+    }
 }
 
 /// Starts `greeter-server` on `listen`, runs `greeter-client` against the

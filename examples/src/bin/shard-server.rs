@@ -14,7 +14,9 @@
 //! `shard S: ADDR,ADDR` (its replicas, the `--shard` argument of
 //! `fanout-client`), then `ready`; shuts down on Ctrl-C. Each server also
 //! serves the standard health service (`grpc.health.v1.Health`), reporting
-//! `shard.Model` serving until shutdown begins.
+//! `shard.Model` serving until shutdown begins. With `--metrics-addr
+//! HOST:PORT` the servers record `rpc-metrics` (summed over the process's
+//! servers) and serve them at `http://HOST:PORT/metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -24,7 +26,8 @@ use examples::shard::{InferReply, InferRequest};
 use rpc_core::{Request, Response, Status};
 
 const USAGE: &str = "usage: shard-server [--addr scheme://host:port] [--shards N] [--replicas R]
-                    [--service-time-us MEAN] [--slow SHARD:REPLICA] [--slow-factor F]";
+                    [--service-time-us MEAN] [--slow SHARD:REPLICA] [--slow-factor F]
+                    [--metrics-addr HOST:PORT]";
 
 struct Replica {
     shard: u32,
@@ -74,6 +77,7 @@ struct Args {
     mean: Duration,
     slow: Option<(u32, u32)>,
     slow_factor: f64,
+    metrics_addr: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -84,6 +88,7 @@ fn parse_args() -> Args {
         mean: Duration::from_micros(2000),
         slow: None,
         slow_factor: 10.0,
+        metrics_addr: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -103,6 +108,7 @@ fn parse_args() -> Args {
                 ));
             }
             "--slow-factor" => args.slow_factor = value.parse().unwrap_or_else(|_| usage()),
+            "--metrics-addr" => args.metrics_addr = Some(value),
             _ => usage(),
         }
     }
@@ -134,6 +140,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     examples::install_transports();
     let args = parse_args();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let metrics = match &args.metrics_addr {
+        Some(address) => {
+            let mut registry = prometheus_client::registry::Registry::default();
+            let metrics = rpc_metrics::RpcMetrics::register(&mut registry);
+            let endpoint = rpc_metrics::MetricsServer::bind(address.as_str(), registry).await?;
+            println!("metrics: http://{}/metrics", endpoint.local_addr());
+            tokio::spawn(endpoint.serve());
+            Some(metrics)
+        }
+        None => None,
+    };
     let mut servers = Vec::new();
     let mut reporters = Vec::new();
     for shard in 0..args.shards {
@@ -155,7 +172,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (health, health_service) = rpc_health::health_service();
             health.set_serving("shard.Model");
             reporters.push(health);
-            let server = rpc_core::Server::builder()
+            let mut builder = rpc_core::Server::builder();
+            if let Some(metrics) = &metrics {
+                builder = builder.intercept(metrics.server());
+            }
+            let server = builder
                 .add_service(ModelServer::new(model))
                 .add_service(health_service)
                 .bind(&address_of(&args.addr, index))

@@ -1,0 +1,410 @@
+//! Prometheus metrics for rdma-rpc servers and clients: calls started and
+//! finished per method and status, latency histograms and calls in flight,
+//! recorded by [interceptors](rpc_core::intercept) into a
+//! [`prometheus_client`] registry, and a `/metrics` endpoint to scrape.
+//!
+//! ```
+//! use prometheus_client::registry::Registry;
+//! use rpc_metrics::{MetricsServer, RpcMetrics};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut registry = Registry::default();
+//! let metrics = RpcMetrics::register(&mut registry);
+//! let server = rpc_core::Server::builder().intercept(metrics.server());
+//! let shards = rpc_core::Endpoint::new("mem://shard-0")?.intercept(metrics.client());
+//!
+//! let endpoint = MetricsServer::bind("127.0.0.1:0", registry).await?;
+//! println!("scrape http://{}/metrics", endpoint.local_addr());
+//! tokio::spawn(endpoint.serve());
+//! # drop((server, shards)); Ok(()) }
+//! ```
+//!
+//! # What is exported
+//! Names follow `go-grpc-prometheus`, so its dashboards read them; every
+//! series has the labels `service` and `method`:
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `rpc_server_started_total` | counter | calls a server's interceptors admitted so far |
+//! | `rpc_server_handled_total` | counter | calls ended, by `code` (`OK`, `NOT_FOUND`, …) |
+//! | `rpc_server_handling_seconds` | histogram | from arrival to the final status |
+//! | `rpc_server_in_flight` | gauge | calls started and not yet ended |
+//! | `rpc_client_started_total` | counter | calls a client sent |
+//! | `rpc_client_handled_total` | counter | calls with a single response ended, by `code` |
+//! | `rpc_client_handling_seconds` | histogram | their latency, as the caller saw it |
+//!
+//! A client's streaming-response calls are counted as started only: the
+//! client's interceptors hear the end of calls with a single response.
+//! A side keeps series for at most 1,024 methods; calls to further methods
+//! (a client calling made-up names, say) are counted under
+//! `method="(other)"`, so nothing a peer sends grows the series without end.
+//!
+//! Why `prometheus-client` and not the `metrics` facade: it is the
+//! Prometheus project's own Rust client, keeps metrics in a registry the
+//! application owns (no process-global recorder a library must not
+//! install), and encodes the OpenMetrics text format without an exporter
+//! crate. Per call, a method's counters are found by one read-locked map
+//! lookup on its path (its label set is built once per method, not per call).
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use rpc_core::intercept::{CallEnd, CallHead, Interceptor};
+use rpc_core::{Code, Status};
+use rustc_hash::FxHashMap;
+use tokio::net::{TcpListener, ToSocketAddrs};
+
+/// A method's labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabels {
+    service: String,
+    method: String,
+}
+
+/// A method's labels and a status code.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HandledLabels {
+    service: String,
+    method: String,
+    code: &'static str,
+}
+
+type HistogramFamily = Family<MethodLabels, Histogram, fn() -> Histogram>;
+
+/// Latency buckets: 50 µs to 1.6 s, doubling.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(50e-6, 2.0, 16))
+}
+
+/// The most methods a side keeps series for; see [`Side::method`].
+const MAX_METHODS: usize = 1024;
+
+/// The method label of calls past [`MAX_METHODS`] (its service label is empty).
+const OTHER_METHOD: &str = "(other)";
+
+/// The number of gRPC status codes.
+const CODES: usize = 17;
+
+/// One side's (server's or client's) metric families, and each method's
+/// handles into them.
+#[derive(Debug)]
+struct Side {
+    started: Family<MethodLabels, Counter>,
+    handled: Family<HandledLabels, Counter>,
+    seconds: HistogramFamily,
+    in_flight: Family<MethodLabels, Gauge>,
+    by_path: RwLock<FxHashMap<String, Arc<PerMethod>>>,
+}
+
+/// A method's series, looked up once and kept.
+#[derive(Debug)]
+struct PerMethod {
+    labels: MethodLabels,
+    started: Counter,
+    seconds: Histogram,
+    in_flight: Gauge,
+    handled: [OnceLock<Counter>; CODES],
+}
+
+impl Side {
+    fn register(registry: &mut Registry, side: &str, in_flight: bool) -> Side {
+        let this = Side {
+            started: Family::default(),
+            handled: Family::default(),
+            seconds: Family::new_with_constructor(latency_histogram),
+            in_flight: Family::default(),
+            by_path: RwLock::new(FxHashMap::default()),
+        };
+        registry.register(
+            format!("rpc_{side}_started"),
+            format!("Calls started by the {side}"),
+            this.started.clone(),
+        );
+        registry.register(
+            format!("rpc_{side}_handled"),
+            format!("Calls ended at the {side}, by status code"),
+            this.handled.clone(),
+        );
+        registry.register(
+            format!("rpc_{side}_handling_seconds"),
+            format!("Call latency at the {side}, seconds"),
+            this.seconds.clone(),
+        );
+        if in_flight {
+            registry.register(
+                format!("rpc_{side}_in_flight"),
+                format!("Calls started and not yet ended at the {side}"),
+                this.in_flight.clone(),
+            );
+        }
+        this
+    }
+
+    /// The method's series, created on its first call. Past
+    /// [`MAX_METHODS`] methods, new ones share the series of method
+    /// `OTHER_METHOD`: a client that calls made-up method names cannot
+    /// make the server's series (and its memory) grow without end.
+    fn method(&self, path: &str) -> Arc<PerMethod> {
+        if let Some(found) = read(&self.by_path).get(path) {
+            return Arc::clone(found);
+        }
+        let full = read(&self.by_path).len() >= MAX_METHODS;
+        let (path, labels) = if full {
+            let labels = MethodLabels {
+                service: String::new(),
+                method: OTHER_METHOD.to_string(),
+            };
+            (OTHER_METHOD, labels)
+        } else {
+            let labels = MethodLabels {
+                service: service_of(path).to_string(),
+                method: path.rsplit_once('/').map_or("", |(_, m)| m).to_string(),
+            };
+            (path, labels)
+        };
+        if let Some(found) = read(&self.by_path).get(path) {
+            return Arc::clone(found);
+        }
+        let created = Arc::new(PerMethod {
+            started: self.started.get_or_create_owned(&labels),
+            seconds: self.seconds.get_or_create_owned(&labels),
+            in_flight: self.in_flight.get_or_create_owned(&labels),
+            handled: Default::default(),
+            labels,
+        });
+        let mut by_path = self.by_path.write().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(by_path.entry(path.to_string()).or_insert(created))
+    }
+
+    fn started(&self, path: &str, in_flight: bool) {
+        let method = self.method(path);
+        method.started.inc();
+        if in_flight {
+            method.in_flight.inc();
+        }
+    }
+
+    fn ended(&self, end: &CallEnd<'_>, in_flight: bool) {
+        let method = self.method(end.path());
+        if in_flight {
+            method.in_flight.dec();
+        }
+        method.seconds.observe(end.elapsed().as_secs_f64());
+        let code = end.status().code();
+        let index = (0..CODES as u32)
+            .position(|i| Code::from_u32(i) == code)
+            .unwrap_or(2); // UNKNOWN
+        method.handled[index]
+            .get_or_init(|| {
+                self.handled.get_or_create_owned(&HandledLabels {
+                    service: method.labels.service.clone(),
+                    method: method.labels.method.clone(),
+                    code: code.as_str(),
+                })
+            })
+            .inc();
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn service_of(path: &str) -> &str {
+    path.strip_prefix('/')
+        .and_then(|p| p.split_once('/'))
+        .map_or("", |(service, _)| service)
+}
+
+/// The metrics of a process's servers and clients, registered in one
+/// registry; hand [`server`](Self::server) and [`client`](Self::client) to
+/// `ServerBuilder::intercept` and `Endpoint::intercept`. Clones share the
+/// same series.
+#[derive(Debug, Clone)]
+pub struct RpcMetrics {
+    server: Arc<Side>,
+    client: Arc<Side>,
+}
+
+impl RpcMetrics {
+    /// Registers the metric families (see the [crate docs](crate)) in `registry`.
+    pub fn register(registry: &mut Registry) -> RpcMetrics {
+        RpcMetrics {
+            server: Arc::new(Side::register(registry, "server", true)),
+            client: Arc::new(Side::register(registry, "client", false)),
+        }
+    }
+
+    /// The interceptor for servers (`ServerBuilder::intercept`). Added
+    /// first, it also counts calls later interceptors reject.
+    pub fn server(&self) -> ServerMetrics {
+        ServerMetrics(Arc::clone(&self.server))
+    }
+
+    /// The interceptor for clients (`Endpoint::intercept`).
+    pub fn client(&self) -> ClientMetrics {
+        ClientMetrics(Arc::clone(&self.client))
+    }
+}
+
+/// Records a server's calls; from [`RpcMetrics::server`].
+#[derive(Debug, Clone)]
+pub struct ServerMetrics(Arc<Side>);
+
+impl Interceptor for ServerMetrics {
+    fn on_call(&self, call: &mut CallHead<'_>) -> Result<(), Status> {
+        self.0.started(call.path(), true);
+        Ok(())
+    }
+
+    fn on_end(&self, call: &CallEnd<'_>) {
+        self.0.ended(call, true);
+    }
+}
+
+/// Records a client's calls; from [`RpcMetrics::client`].
+#[derive(Debug, Clone)]
+pub struct ClientMetrics(Arc<Side>);
+
+impl Interceptor for ClientMetrics {
+    fn on_call(&self, call: &mut CallHead<'_>) -> Result<(), Status> {
+        self.0.started(call.path(), false);
+        Ok(())
+    }
+
+    fn on_end(&self, call: &CallEnd<'_>) {
+        self.0.ended(call, false);
+    }
+}
+
+/// The OpenMetrics content type Prometheus asks for.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// An HTTP endpoint that serves a registry at `GET /metrics` (404 for any
+/// other path) in the OpenMetrics text format, for Prometheus to scrape.
+#[derive(Debug)]
+pub struct MetricsServer {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    registry: Arc<Registry>,
+}
+
+impl MetricsServer {
+    /// Listens on `address` (port 0 picks one: see [`local_addr`](Self::local_addr)).
+    pub async fn bind(
+        address: impl ToSocketAddrs,
+        registry: Registry,
+    ) -> io::Result<MetricsServer> {
+        let listener = TcpListener::bind(address).await?;
+        Ok(MetricsServer {
+            local_addr: listener.local_addr()?,
+            listener,
+            registry: Arc::new(registry),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves scrapes until dropped; each connection on a task of its own.
+    pub async fn serve(self) {
+        loop {
+            let stream = match self.listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    // Out of descriptors, say: the next accept may work.
+                    tracing::warn!("metrics endpoint: accept failed: {error}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let registry = Arc::clone(&self.registry);
+            tokio::spawn(async move {
+                let scrape = service_fn(move |request| {
+                    let response = respond(&registry, &request);
+                    async move { Ok::<_, Infallible>(response) }
+                });
+                if let Err(error) = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), scrape)
+                    .await
+                {
+                    tracing::debug!("metrics endpoint: connection ended: {error}");
+                }
+            });
+        }
+    }
+}
+
+fn respond(
+    registry: &Registry,
+    request: &hyper::Request<Incoming>,
+) -> hyper::Response<Full<Bytes>> {
+    let (status, content_type, body) = match (request.method(), request.uri().path()) {
+        (&Method::GET, "/metrics") => {
+            let mut text = String::new();
+            match prometheus_client::encoding::text::encode(&mut text, registry) {
+                Ok(()) => (StatusCode::OK, OPENMETRICS, text),
+                Err(error) => (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    format!("encoding the metrics failed: {error}\n"),
+                ),
+            }
+        }
+        _ => (
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "metrics are at GET /metrics\n".to_string(),
+        ),
+    };
+    let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn methods_past_the_cap_share_one_series() {
+        let mut registry = Registry::default();
+        let side = Side::register(&mut registry, "server", true);
+        for i in 0..MAX_METHODS + 6 {
+            side.started(&format!("/demo.Demo/Made{i}"), false);
+        }
+        side.started("/demo.Demo/Made0", false);
+        assert_eq!(read(&side.by_path).len(), MAX_METHODS + 1);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("rpc_server_started_total{service=\"\",method=\"(other)\"} 6\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rpc_server_started_total{service=\"demo.Demo\",method=\"Made0\"} 2\n"),
+            "{text}"
+        );
+    }
+}
