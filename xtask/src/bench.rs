@@ -12,6 +12,7 @@
 //! without hedging, over TCP and (in the guest) RDMA.
 
 mod fanout;
+mod instructions;
 mod rdma;
 
 use std::collections::BTreeMap;
@@ -24,7 +25,8 @@ use std::time::Instant;
 use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
-  cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--rpc-addr URL] [--out DIR]
+  cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--instructions]
+                    [--rpc-addr URL] [--out DIR]
     --quick         short measurements (about two minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
     --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
@@ -36,8 +38,11 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
                     and rdma-rpc over rdma:// in a Soft-RoCE guest (about
                     8 minutes; 4 with --quick)
     --fanout-tcp    the fan-out part over TCP only (no guest)
-                    [without --tcp, --rdma or --fanout: all three for a full
-                    run, the TCP part alone for --quick]
+    --instructions  count instructions per unary call with callgrind:
+                    rdma-rpc (tcp, mem, with rpc-metrics) vs the raw echo and
+                    tonic (about 3 minutes; installs valgrind)
+                    [without --tcp, --rdma, --fanout or --instructions: the
+                    first three for a full run, the TCP part alone for --quick]
     --rpc-addr URL  where the TCP part's rdma-rpc server listens
                     [tcp://127.0.0.1:0] (the comparators stay on TCP)
     --out DIR       write benchmarks.md, benchmarks.svg (TCP),
@@ -101,6 +106,8 @@ struct Settings {
     fanout: bool,
     /// The fan-out part also runs over RDMA (in the guest).
     fanout_rdma: bool,
+    /// Count instructions per call.
+    instructions: bool,
     rpc_addr: String,
     out: PathBuf,
     client_args: Vec<String>,
@@ -140,6 +147,8 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         "bench-node",
         "--bin",
         "fanout-bench",
+        "--bin",
+        "call-instructions",
     ])?;
     let node = target_dir().join("release/bench-node");
     std::fs::create_dir_all(&settings.out)
@@ -175,6 +184,20 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         if let Some(failed) = part.failed {
             return Err(format!("the fan-out part is incomplete: {failed}"));
         }
+    }
+    if settings.instructions {
+        setup::ensure_debian_packages(&["valgrind"])?;
+        let program = target_dir().join("release/call-instructions");
+        let generated = instructions::run(&program, &settings.command)?;
+        let md_path = settings.out.join("benchmarks.md");
+        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
+        std::fs::write(
+            &md_path,
+            splice(&existing, &generated, instructions::MARKERS),
+        )
+        .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
+        eprintln!("xtask bench: wrote {}", md_path.display());
+        println!("\n{generated}");
     }
     eprintln!(
         "xtask bench: done in {:.0} s",
@@ -268,6 +291,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
     let mut quick = false;
     let (mut tcp, mut rdma) = (false, false);
     let (mut fanout, mut fanout_rdma) = (false, false);
+    let mut instructions = false;
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
     let mut args = given.iter();
@@ -278,13 +302,14 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             "--rdma" => rdma = true,
             "--fanout" => (fanout, fanout_rdma) = (true, true),
             "--fanout-tcp" => fanout = true,
+            "--instructions" => instructions = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
             "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
     }
-    if !tcp && !rdma && !fanout {
+    if !tcp && !rdma && !fanout && !instructions {
         tcp = true;
         rdma = !quick;
         fanout = !quick;
@@ -331,6 +356,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
         rdma,
         fanout,
         fanout_rdma,
+        instructions,
         rpc_addr,
         out,
         client_args,

@@ -1,58 +1,81 @@
-//! Instructions per unary echo call over `tcp://` (client and server in one
-//! process, current-thread runtime), for `valgrind --tool=callgrind`:
-//! `call-instructions CALLS SIZE [metrics]`; per call = (count at 2,200
-//! calls − count at 200) / 2,000. With `metrics`, both sides record
-//! `rpc-metrics` (an interceptor each). See `docs/benchmarks.md`.
+//! Unary echo calls, client and server in one process on a current-thread
+//! runtime, for `valgrind --tool=callgrind` to count instructions:
+//!
+//! ```text
+//! call-instructions SYSTEM CALLS SIZE
+//! ```
+//!
+//! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-mem`
+//! (the same over `mem://`), `rpc-metrics` (`rpc` with `rpc-metrics`
+//! recording on both sides), `tonic` (tonic's generated `Echo` over loopback
+//! TCP, the same proto) or `raw` (length-prefixed frames over loopback TCP,
+//! no RPC: the floor). Per call = (count at 2,200 calls − count at 200) /
+//! 2,000, so set-up cancels out; `cargo xtask bench --instructions` runs it.
+use benches::client::{self, Client, RawConnection};
+use benches::server::{self, RpcEcho};
+use benches::{rpcbench, tcp_authority, Error, System};
 use bytes::Bytes;
 use prometheus_client::registry::Registry;
-use rpc_core::codegen::{self, BoxFuture, ServerCall, Service};
-use rpc_core::{BytesCodec, Client, Endpoint, Request, Response, Server};
 use rpc_metrics::RpcMetrics;
 
-struct Echo;
+const USAGE: &str = "usage: call-instructions rpc|rpc-mem|rpc-metrics|tonic|raw CALLS SIZE";
 
-impl Service for Echo {
-    fn name(&self) -> &'static str {
-        "bench.Echo"
-    }
-    fn call(&self, method: &str, call: ServerCall) -> BoxFuture<'static, ()> {
-        match method {
-            "Say" => codegen::unary::<BytesCodec, _, _>(call, |r: Request<Bytes>| async move {
-                Ok(Response::new(r.into_inner()))
-            }),
-            _ => codegen::unimplemented(call),
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Error> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [system, calls, size] = &args[..] else {
+        return Err(USAGE.into());
+    };
+    let calls: usize = calls.parse().map_err(|_| USAGE)?;
+    let payload = Bytes::from(vec![7u8; size.parse().map_err(|_| USAGE)?]);
+    benches::install_transports();
+    match system.as_str() {
+        "rpc" => unary(System::Rpc, "tcp://127.0.0.1:0", calls, &payload).await,
+        "rpc-mem" => unary(System::Rpc, "mem://call-instructions", calls, &payload).await,
+        "tonic" => unary(System::Tonic, "tcp://127.0.0.1:0", calls, &payload).await,
+        "rpc-metrics" => with_metrics(calls, &payload).await,
+        "raw" => {
+            let (address, serving) = server::start(System::Raw, "tcp://127.0.0.1:0").await?;
+            tokio::spawn(serving);
+            let mut connection =
+                RawConnection::connect(tcp_authority(&address)?, payload.len()).await?;
+            for _ in 0..calls {
+                connection.ping().await?;
+            }
+            Ok(())
         }
+        _ => Err(USAGE.into()),
     }
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (calls, size): (usize, usize) = (args[0].parse().unwrap(), args[1].parse().unwrap());
-    let metrics = match args.get(2).map(String::as_str) {
-        None => None,
-        Some("metrics") => Some(RpcMetrics::register(&mut Registry::default())),
-        Some(other) => panic!("unknown option {other:?}: expected `metrics`"),
-    };
-    transport_tcp::install();
-    let mut server = Server::builder().add_service(Echo);
-    if let Some(metrics) = &metrics {
-        server = server.intercept(metrics.server());
+/// `calls` echo calls to `system`'s server on `listen`, one at a time.
+async fn unary(system: System, listen: &str, calls: usize, payload: &Bytes) -> Result<(), Error> {
+    let (address, serving) = server::start(system, listen).await?;
+    tokio::spawn(serving);
+    let mut client = client::connect(system, &address).await?;
+    for _ in 0..calls {
+        client.echo(payload).await?;
     }
-    let server = server.bind("tcp://127.0.0.1:0").await.unwrap();
+    Ok(())
+}
+
+/// As `rpc`, with `rpc-metrics` on the server and the client.
+async fn with_metrics(calls: usize, payload: &Bytes) -> Result<(), Error> {
+    let metrics = RpcMetrics::register(&mut Registry::default());
+    let server = rpc_core::Server::builder()
+        .intercept(metrics.server())
+        .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho))
+        .bind("tcp://127.0.0.1:0")
+        .await?;
     let address = server.local_addr().to_string();
     tokio::spawn(server.serve());
-    let mut endpoint = Endpoint::new(&address).unwrap();
-    if let Some(metrics) = &metrics {
-        endpoint = endpoint.intercept(metrics.client());
-    }
-    let client = Client::new(endpoint.connect().await.unwrap());
-    let payload = Bytes::from(vec![7u8; size]);
+    let channel = rpc_core::Endpoint::new(&address)?
+        .intercept(metrics.client())
+        .connect()
+        .await?;
+    let mut client = Client::Rpc(rpcbench::bench_client::BenchClient::new(channel));
     for _ in 0..calls {
-        let reply = client
-            .unary::<BytesCodec>("/bench.Echo/Say", Request::new(payload.clone()))
-            .await
-            .unwrap();
-        assert_eq!(reply.get_ref().len(), size);
+        client.echo(payload).await?;
     }
+    Ok(())
 }
