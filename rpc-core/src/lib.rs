@@ -51,7 +51,8 @@
 //!   `ResourceExhausted` and the connection stays usable.
 //! - Reconnection with backoff; graceful server shutdown that drains calls.
 //! - For fan-out to many servers: [`Channel::balance`] over replicas
-//!   (least outstanding calls, ejection of failed replicas),
+//!   (least outstanding calls, ejection of failed replicas, replicas marked
+//!   not serving by a health check skipped: [`Channel::set_serving`]),
 //!   [`fanout::FanOut`] (one deadline, partial results, quorum, fail limit),
 //!   [`hedging::Hedging`] (backup requests under a budget),
 //!   [`Request::set_deadline`] and [`Endpoint::wait_for_ready`].

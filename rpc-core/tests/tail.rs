@@ -617,3 +617,58 @@ async fn a_connection_slower_than_the_calls_deadlines_still_gets_made() {
         "the fifth call, at 200 ms, finds the connection made"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn replicas_marked_not_serving_get_no_new_calls() {
+    let a = serve(ms(1)).await;
+    let b = serve(ms(1)).await;
+    let endpoints = [&a, &b].map(|r| Endpoint::new(&r.address).unwrap());
+    let channel = Channel::balance(endpoints, Balance::RoundRobin).unwrap();
+    let client = Client::new(channel.clone());
+    assert_eq!(
+        channel.replica_addresses().collect::<Vec<_>>(),
+        [a.address.as_str(), b.address.as_str()]
+    );
+    channel.set_serving(0, false);
+    assert!(!channel.is_serving(0) && channel.is_serving(1));
+    for _ in 0..6 {
+        infer(&client, Request::new(Bytes::new())).await.unwrap();
+    }
+    assert_eq!((a.started(), b.started()), (0, 6));
+
+    // None serving: fails at once, saying why for each.
+    channel.set_serving(1, false);
+    let status = infer(&client, Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+    assert_eq!(
+        status.message().matches("not serving").count(),
+        2,
+        "{status}"
+    );
+
+    // Serving again: calls go to both in turn.
+    channel.set_serving(0, true);
+    channel.set_serving(1, true);
+    for _ in 0..4 {
+        infer(&client, Request::new(Bytes::new())).await.unwrap();
+    }
+    assert_eq!((a.started(), b.started()), (2, 8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_waits_for_a_replica_marked_serving() {
+    let a = serve(ms(1)).await;
+    let endpoint = Endpoint::new(&a.address).unwrap().wait_for_ready(true);
+    let channel = Channel::balance([endpoint], Balance::RoundRobin).unwrap();
+    channel.set_serving(0, false);
+    let client = Client::new(channel.clone());
+    let call = tokio::spawn(async move { infer(&client, Request::new(Bytes::from("x"))).await });
+    tokio::time::sleep(ms(1_000)).await;
+    assert!(!call.is_finished(), "a call went to a replica not serving");
+    assert_eq!(a.started(), 0);
+    channel.set_serving(0, true);
+    assert_eq!(call.await.unwrap().unwrap(), "x");
+    assert_eq!(a.started(), 1);
+}

@@ -2,7 +2,7 @@
 //! reconnecting as needed; over several replicas of one service, balanced.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,6 +52,8 @@ pub(super) struct Replicas {
     peer: Peer,
     policy: Balance,
     next: AtomicUsize,
+    /// Notified when a replica is marked serving again.
+    serving_again: tokio::sync::Notify,
 }
 
 /// One server: its endpoint, its connection and its reconnect state.
@@ -60,6 +62,8 @@ struct Replica {
     state: Mutex<ConnState>,
     /// Held by the one connection attempt in progress.
     connecting: Arc<tokio::sync::Mutex<()>>,
+    /// What its health check last said (true until one says otherwise).
+    serving: AtomicBool,
 }
 
 enum ConnState {
@@ -140,6 +144,7 @@ impl Channel {
                 replicas,
                 policy,
                 next: AtomicUsize::new(0),
+                serving_again: tokio::sync::Notify::new(),
             }),
         })
     }
@@ -159,6 +164,39 @@ impl Channel {
         self.inner.replicas.len()
     }
 
+    /// The replicas' addresses, in the order they were given.
+    pub fn replica_addresses(&self) -> impl Iterator<Item = &str> {
+        self.inner
+            .replicas
+            .iter()
+            .map(|r| r.endpoint.address.as_str())
+    }
+
+    /// Marks replica `replica` (an index into
+    /// [`replica_addresses`](Self::replica_addresses)) serving or not, as its
+    /// health check reports (`rpc_health::watch_replicas` does this from the
+    /// standard health service). New calls avoid a replica that is not
+    /// serving, as they avoid an ejected one; with none serving they fail
+    /// with `Unavailable`, or wait (with [`Endpoint::wait_for_ready`]) until
+    /// one is marked serving again. Calls already sent are left alone.
+    /// Replicas start serving. An index past the last replica is ignored.
+    pub fn set_serving(&self, replica: usize, serving: bool) {
+        if let Some(r) = self.inner.replicas.get(replica) {
+            let was = r.serving.swap(serving, Ordering::AcqRel);
+            if serving && !was {
+                self.inner.serving_again.notify_waiters();
+            }
+        }
+    }
+
+    /// Whether replica `replica` is marked serving (see [`set_serving`](Self::set_serving)).
+    pub fn is_serving(&self, replica: usize) -> bool {
+        self.inner
+            .replicas
+            .get(replica)
+            .is_some_and(|r| r.serving.load(Ordering::Acquire))
+    }
+
     pub(super) fn config(&self) -> &ChannelConfig {
         &self.inner.replicas[0].endpoint.config
     }
@@ -168,7 +206,7 @@ impl Channel {
     /// can be (a call's retry goes elsewhere).
     pub(super) async fn pick(&self, avoid: Option<usize>) -> Result<Picked, Status> {
         if let [only] = self.inner.replicas.as_slice() {
-            if let Some(conn) = only.ready_connection() {
+            if let Some(conn) = only.ready_connection().filter(|_| only.is_serving()) {
                 return Ok(Picked { conn, replica: 0 });
             }
         }
@@ -181,12 +219,19 @@ impl Channel {
         let replicas = &self.inner.replicas;
         let wait = self.config().wait_for_ready;
         if let [only] = replicas.as_slice() {
-            let conn = only.connection(wait).await?;
-            return Ok(Picked { conn, replica: 0 });
+            if only.is_serving() {
+                let conn = only.connection(wait).await?;
+                return Ok(Picked { conn, replica: 0 });
+            }
         }
         // Replicas whose attempt failed during this pick (allocates only then).
         let mut failed: Vec<usize> = Vec::new();
         loop {
+            // Registered before the replicas are looked at, so a replica
+            // marked serving meanwhile is not missed.
+            let serving_again = self.inner.serving_again.notified();
+            tokio::pin!(serving_again);
+            serving_again.as_mut().enable();
             let now = Instant::now();
             let usable = |i: usize| !failed.contains(&i) && replicas[i].load(now).is_some();
             let choice = self
@@ -202,25 +247,37 @@ impl Channel {
                     }
                 }
             }
-            // Every replica is ejected.
+            // Every replica is ejected or not serving.
             if wait {
-                let retry_at = replicas
+                // Until a replica's backoff ends or one is marked serving.
+                let serving_retry = replicas
                     .iter()
+                    .filter(|r| r.is_serving())
                     .filter_map(|r| r.retry_at())
-                    .min()
-                    .unwrap_or(now);
-                tokio::time::sleep_until(retry_at).await;
+                    .min();
+                match serving_retry {
+                    Some(retry_at) => {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(retry_at) => {}
+                            () = serving_again => {}
+                        }
+                    }
+                    None if failed.is_empty() => serving_again.await,
+                    // Failed just now with no backoff recorded: try again.
+                    None => tokio::task::yield_now().await,
+                }
                 failed.clear();
                 continue;
             }
             let reasons: Vec<String> = replicas
                 .iter()
                 .map(|r| {
-                    format!(
-                        "{}: {}",
-                        r.endpoint.address,
+                    let why = if r.is_serving() {
                         r.last_error().unwrap_or_else(|| "unavailable".into())
-                    )
+                    } else {
+                        "not serving (its health check says so)".into()
+                    };
+                    format!("{}: {why}", r.endpoint.address)
                 })
                 .collect();
             return Err(Status::unavailable(format!(
@@ -255,15 +312,24 @@ impl Replica {
             endpoint,
             state: Mutex::new(ConnState::Idle),
             connecting: Arc::new(tokio::sync::Mutex::new(())),
+            serving: AtomicBool::new(true),
         })
+    }
+
+    fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::Acquire)
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, ConnState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Calls in flight on this replica's connection; `None` while it is ejected.
+    /// Calls in flight on this replica's connection; `None` while it is
+    /// ejected or not serving.
     fn load(&self, now: Instant) -> Option<usize> {
+        if !self.is_serving() {
+            return None;
+        }
         match &*self.state() {
             ConnState::Ready(conn) => Some(conn.open_calls()),
             ConnState::Backoff { retry_at, .. } if now < *retry_at => None,
@@ -419,6 +485,7 @@ impl Channel {
                 replicas: vec![replica],
                 policy: Balance::default(),
                 next: AtomicUsize::new(0),
+                serving_again: tokio::sync::Notify::new(),
             }),
         }
     }
