@@ -22,6 +22,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A balanced channel can follow its replicas' health: [`watch_replicas`]
+//! watches each replica's status and sends new calls only to those serving.
+//!
 //! The server as a whole is the service `""`, `Serving` from the start.
 //! `Check` on a service never set fails with `NotFound`; `Watch` reports it
 //! as `ServiceUnknown` and goes on watching until it is set.
@@ -29,9 +32,10 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use rpc_core::{Request, Response, Status};
+use rpc_core::{Channel, Code, Endpoint, Request, Response, Status};
 use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 
@@ -154,4 +158,117 @@ pub async fn check(client: &HealthClient, service: &str) -> Result<ServingStatus
         })
         .await?;
     Ok(reply.get_ref().status())
+}
+
+/// Watches the health of each replica of a balanced channel (see
+/// [`watch_replicas`]); dropping it stops the watching.
+#[derive(Debug)]
+pub struct ReplicaHealth {
+    watchers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for ReplicaHealth {
+    fn drop(&mut self) {
+        for watcher in &self.watchers {
+            watcher.abort();
+        }
+    }
+}
+
+/// The first and the longest wait before watching a replica again after
+/// its `Watch` call failed.
+const REWATCH_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(10));
+
+/// Follows the health of `service` on each of `channel`'s replicas with the
+/// standard `Watch` call (over a connection of its own to each replica), and
+/// marks each replica serving or not on the channel
+/// ([`Channel::set_serving`]): new calls go only to replicas whose status is
+/// `SERVING` (while there is one; see `set_serving` for when none is).
+///
+/// A replica without a health service (`Watch` is `UNIMPLEMENTED`) counts
+/// as serving and is not watched further. When a replica's `Watch` call
+/// fails otherwise (the replica is down, say), it is made again after a
+/// backoff (100 ms doubling to 10 s), and the replica keeps its last
+/// status meanwhile: a replica that is down is ejected by the channel
+/// itself when its connection fails.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use rpc_core::{Balance, Channel, Endpoint};
+/// let shard = Channel::balance(
+///     [Endpoint::new("tcp://10.0.0.1:7000")?, Endpoint::new("tcp://10.0.0.2:7000")?],
+///     Balance::LeastOutstanding,
+/// )?;
+/// // Keep it as long as the channel: dropping it stops the watching.
+/// let _health = rpc_health::watch_replicas(&shard, "shard.Model");
+/// # Ok(()) }
+/// ```
+pub fn watch_replicas(channel: &Channel, service: &str) -> ReplicaHealth {
+    let watchers = channel
+        .replica_addresses()
+        .enumerate()
+        .map(|(replica, address)| {
+            let watch = watch_one(
+                channel.clone(),
+                replica,
+                address.to_string(),
+                service.to_string(),
+            );
+            tokio::spawn(watch)
+        })
+        .collect();
+    ReplicaHealth { watchers }
+}
+
+/// Watches one replica until it turns out to have no health service.
+async fn watch_one(channel: Channel, replica: usize, address: String, service: String) {
+    let client = match Endpoint::new(address.as_str()) {
+        Ok(endpoint) => HealthClient::new(endpoint.connect_lazy()),
+        Err(error) => {
+            // The channel was built from this address, so it parses.
+            tracing::warn!(%address, "cannot watch the health of a replica: {error}");
+            return;
+        }
+    };
+    let mut backoff = REWATCH_BACKOFF.0;
+    loop {
+        match watch_stream(&client, &service, |status| {
+            channel.set_serving(replica, status == ServingStatus::Serving);
+        })
+        .await
+        {
+            Ok(true) => backoff = REWATCH_BACKOFF.0,
+            Ok(false) => {}
+            Err(status) if status.code() == Code::Unimplemented => {
+                channel.set_serving(replica, true);
+                return;
+            }
+            Err(status) => {
+                tracing::debug!(%address, "watching the replica's health failed: {status}");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(REWATCH_BACKOFF.1);
+    }
+}
+
+/// One `Watch` call, each status to `seen`; `Ok(true)` when it delivered
+/// any before it ended.
+async fn watch_stream(
+    client: &HealthClient,
+    service: &str,
+    mut seen: impl FnMut(ServingStatus),
+) -> Result<bool, Status> {
+    let mut replies = client
+        .watch(HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await?
+        .into_inner();
+    let mut delivered = false;
+    while let Some(reply) = replies.message().await? {
+        seen(reply.status());
+        delivered = true;
+    }
+    Ok(delivered)
 }

@@ -12,7 +12,9 @@
 //! shard's recent latencies), with `--hedge-budget` (default 0.1: at most
 //! 10 % more calls). Prints the fan-out's p50/p99/p99.9, how many answers
 //! were partial (some shard missed the deadline or failed), and how many
-//! hedges were sent and won.
+//! hedges were sent and won. Each shard's channel follows its replicas'
+//! health (`rpc_health::watch_replicas`): a replica reporting `shard.Model`
+//! not serving gets no new calls.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -166,12 +168,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     examples::install_transports();
     let args = Arc::new(parse_args());
     let mut shards = Vec::new();
+    // Each replica's health (`shard.Model`, which shard-server reports):
+    // new calls go only to replicas serving. Kept until the end.
+    let mut health = Vec::new();
     for replicas in &args.shards {
         let endpoints = replicas
             .iter()
             .map(|address| Endpoint::new(address.as_str()))
             .collect::<Result<Vec<_>, _>>()?;
         let channel = Channel::balance(endpoints, Balance::LeastOutstanding)?;
+        health.push(rpc_health::watch_replicas(&channel, "shard.Model"));
         let hedging = match args.hedge {
             HedgeArg::Off => None,
             HedgeArg::Fixed(delay) => Some(Hedging::after(delay).budget(args.budget)),
