@@ -366,7 +366,14 @@ pub struct Connection {
     heap_queued: bool,
     inline_max: usize,
     in_flight: u32,
+    /// Send slots for data messages (the peer's ring slots); control and
+    /// heap slots follow.
+    data_slots: u32,
+    /// The peer's region is written up to here (stream position): it may
+    /// not report space beyond it freed.
+    region_sent_to: u64,
     // receiving
+    ring_slots: u32,
     slot_size: usize,
     ring: RecvRing,
     reader: RegionReader,
@@ -394,6 +401,9 @@ impl Connection {
             heap_queued: false,
             inline_max: cfg.inline_max,
             in_flight: 0,
+            data_slots: peer,
+            region_sent_to: 0,
+            ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.ring_slots),
             reader: RegionReader::new(cfg.region_len),
@@ -639,6 +649,7 @@ impl Connection {
     }
 
     fn push_write(&mut self, pos: u64, len: usize, data: Option<Bytes>) {
+        self.region_sent_to = self.region_sent_to.max(pos + len as u64);
         self.transmit.push_back(Transmit::Write {
             offset: self.writer.offset(pos),
             len,
@@ -744,6 +755,15 @@ impl Connection {
             ));
             return;
         };
+        if !self.slot_in_range(kind, index) {
+            // Only a broken verbs layer reports one: taking it would put a
+            // slot that does not exist (or another kind's) back in use.
+            self.fail(format!(
+                "completion of a {kind:?} work request on slot {index}, out of range ({:#x})",
+                wc.wr_id
+            ));
+            return;
+        }
         if kind != WorkKind::Recv {
             self.in_flight = self.in_flight.saturating_sub(1);
         }
@@ -770,6 +790,19 @@ impl Connection {
         }
     }
 
+    /// Whether `index` is a slot of `kind`'s range (see the module docs).
+    fn slot_in_range(&self, kind: WorkKind, index: u32) -> bool {
+        let ctrl = self.data_slots..self.data_slots + CTRL_SLOTS;
+        let heap = ctrl.end..ctrl.end + HEAP_SLOTS;
+        match kind {
+            WorkKind::Recv => index < self.ring_slots,
+            WorkKind::Send => index < self.data_slots,
+            WorkKind::Control => ctrl.contains(&index),
+            WorkKind::Heap => heap.contains(&index),
+            WorkKind::Write => true,
+        }
+    }
+
     fn repost(&mut self, slot: u32) {
         self.transmit.push_back(Transmit::Recv { slot });
         self.ring.on_reposted();
@@ -790,6 +823,12 @@ impl Connection {
         let header = Header::decode(header, byte_len)?;
         self.ring.on_arrival()?;
         self.credits.grant(header.credits)?;
+        if header.freed_to > self.region_sent_to {
+            return Err(ProtocolError::new(format!(
+                "peer freed its region to {}, beyond the {} bytes written into it",
+                header.freed_to, self.region_sent_to
+            )));
+        }
         self.writer.on_freed(header.freed_to)?;
         self.wake.senders = true;
         match header.kind {
@@ -961,5 +1000,107 @@ impl Connection {
             self.reader.wants_report(),
             self.lifecycle,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLOTS: u32 = 8;
+
+    fn connection() -> Connection {
+        Connection::new(Config {
+            ring_slots: SLOTS,
+            slot_size: 96,
+            region_len: 256,
+            peer_ring_slots: SLOTS,
+            peer_region_len: 256,
+            inline_max: 96 - HEADER_LEN,
+            max_frame_len: 1000,
+            max_skip_len: 4000,
+            prefix_len: 20,
+        })
+    }
+
+    /// A control message from the peer: no credits, `freed_to` as given.
+    fn credit_message(freed_to: u64) -> [u8; HEADER_LEN] {
+        let mut header = Header::new(Kind::Credit);
+        header.freed_to = freed_to;
+        let mut bytes = [0; HEADER_LEN];
+        header.encode(&mut bytes);
+        bytes
+    }
+
+    fn complete(conn: &mut Connection, wr_id: u64, header: &[u8]) {
+        conn.handle_completion(Completion {
+            wr_id,
+            failure: None,
+            byte_len: header.len(),
+            header,
+        });
+    }
+
+    #[test]
+    fn a_completion_for_a_slot_out_of_range_fails_the_connection() {
+        let cases = [
+            (WorkKind::Recv, SLOTS),
+            (WorkKind::Send, SLOTS),
+            (WorkKind::Send, u32::MAX),
+            (WorkKind::Control, SLOTS - 1),
+            (WorkKind::Control, SLOTS + CTRL_SLOTS),
+            (WorkKind::Heap, SLOTS + CTRL_SLOTS - 1),
+            (WorkKind::Heap, SLOTS + CTRL_SLOTS + HEAP_SLOTS),
+        ];
+        for (kind, index) in cases {
+            let mut conn = connection();
+            complete(&mut conn, kind.wr_id(index), &credit_message(0));
+            let failure = conn
+                .failure()
+                .unwrap_or_else(|| panic!("{kind:?} {index} accepted"));
+            assert!(
+                failure.contains("out of range"),
+                "{kind:?} {index}: {failure}"
+            );
+            // Nothing goes out on a slot that is not one.
+            assert!(matches!(conn.handle_send(8), SendDecision::Refused(_)));
+        }
+        // In range, the same completions are taken.
+        let mut conn = connection();
+        complete(
+            &mut conn,
+            WorkKind::Recv.wr_id(SLOTS - 1),
+            &credit_message(0),
+        );
+        assert_eq!(conn.failure(), None);
+    }
+
+    #[test]
+    fn a_peer_freeing_region_space_not_yet_written_breaks_the_protocol() {
+        let mut conn = connection();
+        // A frame too long to go inline takes region space; queued, not yet sent.
+        let SendDecision::Encode(reservation) = conn.handle_send(100) else {
+            panic!("no room for a region frame")
+        };
+        assert!(matches!(
+            conn.encode_into(&reservation),
+            EncodeInto::Staging { .. }
+        ));
+        conn.queue_frame(reservation, None).unwrap();
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &credit_message(100));
+        let failure = conn
+            .failure()
+            .expect("a free of unwritten space was accepted");
+        assert!(failure.contains("beyond"), "{failure}");
+
+        // Once written, freeing it is what an honest peer does.
+        let mut conn = connection();
+        let SendDecision::Encode(reservation) = conn.handle_send(100) else {
+            panic!("no room for a region frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        while conn.poll_transmit().is_some() {}
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &credit_message(100));
+        assert_eq!(conn.failure(), None);
     }
 }
