@@ -8,6 +8,7 @@
 
 pub mod alloc_meter;
 pub mod frame_decode;
+pub mod rdma_connection;
 pub mod rdma_credit;
 pub mod rdma_header;
 pub mod rdma_hello;
@@ -40,6 +41,7 @@ pub fn run_input(target: &str, data: &[u8]) -> bool {
         "rdma_region" => structured(data, rdma_region::check),
         "rdma_reassembly" => structured(data, rdma_reassembly::check),
         "rdma_credit" => structured(data, rdma_credit::check),
+        "rdma_connection" => structured(data, rdma_connection::check),
         "tcp_reader" => structured(data, tcp_reader::check),
         other => panic!("no fuzz target {other}"),
     }

@@ -11,8 +11,8 @@ use crate::{run, setup, workspace_root, BUILD_PACKAGES};
 pub(crate) const FUZZ_USAGE: &str = "details of fuzz:
   cargo xtask fuzz [--minutes N] [TARGET...]
     --minutes N   run each target for N minutes (default 1; fractions allowed)
-    TARGET        frame_decode rdma_hello rdma_header rdma_region
-                  rdma_reassembly rdma_credit (default: all)
+    TARGET        frame_decode tcp_reader rdma_hello rdma_header rdma_region
+                  rdma_reassembly rdma_credit rdma_connection (default: all)
   Installs cargo-fuzz if missing, builds fuzz/ into target/fuzz-build, runs
   each target with fuzz/corpus/TARGET as seeds; new inputs go to
   target/fuzz-run/corpus/TARGET (never into the committed corpus), crashes to
@@ -27,6 +27,7 @@ const TARGETS: &[&str] = &[
     "rdma_region",
     "rdma_reassembly",
     "rdma_credit",
+    "rdma_connection",
     "tcp_reader",
 ];
 
