@@ -112,7 +112,10 @@ impl ReadReceived for Memory {
         dst.copy_from_slice(&slot[offset..offset + dst.len()]);
     }
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
-        assert!(offset + dst.len() <= self.region.len(), "read past the region");
+        assert!(
+            offset + dst.len() <= self.region.len(),
+            "read past the region"
+        );
         dst.copy_from_slice(&self.region[offset..offset + dst.len()]);
     }
 }
@@ -167,8 +170,18 @@ pub fn check(input: &ConnectionInput) {
                     header: &bytes[..bytes.len().min(HEADER_LEN)],
                 });
             }
-            Op::Receive { kind, flags, len, total, pos, credits, freed_to } => {
-                let Some(slot) = posted.pop_front() else { continue };
+            Op::Receive {
+                kind,
+                flags,
+                len,
+                total,
+                pos,
+                credits,
+                freed_to,
+            } => {
+                let Some(slot) = posted.pop_front() else {
+                    continue;
+                };
                 let kinds = [Kind::Inline, Kind::Chunk, Kind::Credit, Kind::Close];
                 let mut header = Header::new(kinds[usize::from(*kind) % kinds.len()]);
                 header.flags = flags & (FIRST | LAST);
@@ -200,7 +213,9 @@ pub fn check(input: &ConnectionInput) {
                 });
             }
             Op::Complete { failed: f } => {
-                let Some(wr_id) = in_flight.pop_front() else { continue };
+                let Some(wr_id) = in_flight.pop_front() else {
+                    continue;
+                };
                 conn.handle_completion(Completion {
                     wr_id,
                     failure: f.then_some("IBV_WC_RETRY_EXC_ERR (12)"),
@@ -212,11 +227,17 @@ pub fn check(input: &ConnectionInput) {
                 if let Some(delivered) = conn.poll_delivery(&memory) {
                     match delivered {
                         Delivered::InSlot { slot, len } => {
-                            assert!(slot < SLOTS && HEADER_LEN + len <= SLOT_SIZE, "{slot} {len}");
+                            assert!(
+                                slot < SLOTS && HEADER_LEN + len <= SLOT_SIZE,
+                                "{slot} {len}"
+                            );
                             held.push(slot);
                         }
                         Delivered::CopyOut { slot, len } => {
-                            assert!(slot < SLOTS && HEADER_LEN + len <= SLOT_SIZE, "{slot} {len}");
+                            assert!(
+                                slot < SLOTS && HEADER_LEN + len <= SLOT_SIZE,
+                                "{slot} {len}"
+                            );
                             conn.handle_copied(slot);
                         }
                         Delivered::Frame(frame) => assert!(frame.len() <= MAX_FRAME),
@@ -282,7 +303,10 @@ fn send(conn: &mut Connection, len: usize, cancel: bool, failed: bool) {
             None
         }
         EncodeInto::Staging { offset } => {
-            assert!(offset + len <= REGION, "frame at {offset} past the staging region");
+            assert!(
+                offset + len <= REGION,
+                "frame at {offset} past the staging region"
+            );
             None
         }
         EncodeInto::Heap => Some(Bytes::from(vec![0x42; len])),
@@ -296,9 +320,17 @@ fn check_transmit(t: &Transmit, failed: bool) {
         Transmit::Recv { slot } => assert!(*slot < SLOTS, "receive posted in slot {slot}"),
         Transmit::Write { offset, len, .. } => {
             assert!(!failed, "a WRITE after the connection failed");
-            assert!(offset + len <= REGION, "WRITE of {len} at {offset} past the peer's region");
+            assert!(
+                offset + len <= REGION,
+                "WRITE of {len} at {offset} past the peer's region"
+            );
         }
-        Transmit::Send { kind, slot, body_len, .. } => {
+        Transmit::Send {
+            kind,
+            slot,
+            body_len,
+            ..
+        } => {
             assert!(!failed, "a SEND after the connection failed");
             let range = match kind {
                 WorkKind::Send => 0..SLOTS,
@@ -307,7 +339,10 @@ fn check_transmit(t: &Transmit, failed: bool) {
                 other => panic!("a SEND of kind {other:?}"),
             };
             assert!(range.contains(slot), "{kind:?} SEND from slot {slot}");
-            assert!(HEADER_LEN + body_len <= SLOT_SIZE, "SEND of {body_len} bytes");
+            assert!(
+                HEADER_LEN + body_len <= SLOT_SIZE,
+                "SEND of {body_len} bytes"
+            );
         }
     }
 }
