@@ -103,8 +103,8 @@ fn check_len(got: usize, want: usize) -> Result<(), Error> {
     }
 }
 
-/// One raw TCP connection to the raw echo server: length-prefixed frames,
-/// each written with a single `write_all` of a frame built once.
+/// One raw TCP connection to the raw echo server: length-prefixed frames
+/// built once; one `write_all` per call at a time, one per batch pipelined.
 #[derive(Debug)]
 pub struct RawConnection {
     read: BufReader<OwnedReadHalf>,
@@ -156,18 +156,32 @@ impl RawConnection {
         // How many frames the writer sends in all: known before it sends the
         // last one, so the reader can never miss it.
         let total = Arc::new(AtomicU64::new(u64::MAX));
+        // The writer batches: every frame the window allows now goes out
+        // in one `write_all` (a write per frame would make this no floor).
         let writer = {
             let (window, total) = (window.clone(), total.clone());
             tokio::spawn(async move {
                 let mut sent = 0u64;
+                let mut batch = BytesMut::new();
                 loop {
                     window.acquire().await?.forget();
-                    sent += 1;
-                    let last = Instant::now() >= count_until;
-                    if last {
-                        total.store(sent, Ordering::Release);
+                    let mut room = 1;
+                    while let Ok(permit) = window.try_acquire() {
+                        permit.forget();
+                        room += 1;
                     }
-                    write.write_all(&frame).await?;
+                    batch.clear();
+                    let mut last = false;
+                    for _ in 0..room {
+                        sent += 1;
+                        batch.extend_from_slice(&frame);
+                        if Instant::now() >= count_until {
+                            last = true;
+                            total.store(sent, Ordering::Release);
+                            break;
+                        }
+                    }
+                    write.write_all(&batch).await?;
                     if last {
                         return Ok::<_, Error>(());
                     }

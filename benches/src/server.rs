@@ -100,23 +100,36 @@ async fn raw_serve(listener: TcpListener) -> Result<(), Error> {
 }
 
 /// Reads length-prefixed frames (4-byte little-endian length) and writes
-/// each one back whole, with one `write_all` per frame, in arrival order.
+/// each one back whole, in arrival order: the replies to every complete
+/// frame already read go out in one `write_all`, made when no complete
+/// frame is left in the read buffer (one call at a time: a write per reply;
+/// pipelined: a write per batch, as a tuned server does).
 async fn raw_echo(stream: TcpStream) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let (read, mut write) = stream.into_split();
     let mut read = BufReader::with_capacity(64 * 1024, read);
-    let mut frame = BytesMut::new();
+    let mut replies = BytesMut::new();
     loop {
         let len = match read.read_u32_le().await {
             Ok(len) => len as usize,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };
-        frame.clear();
-        frame.reserve(4 + len);
-        frame.extend_from_slice(&(len as u32).to_le_bytes());
-        frame.resize(4 + len, 0);
-        read.read_exact(&mut frame[4..]).await?;
-        write.write_all(&frame).await?;
+        let start = replies.len();
+        replies.extend_from_slice(&(len as u32).to_le_bytes());
+        replies.resize(start + 4 + len, 0);
+        read.read_exact(&mut replies[start + 4..]).await?;
+        if !holds_a_frame(read.buffer()) {
+            write.write_all(&replies).await?;
+            replies.clear();
+        }
+    }
+}
+
+/// Whether `buffered` starts with a whole length-prefixed frame.
+fn holds_a_frame(buffered: &[u8]) -> bool {
+    match buffered.first_chunk::<4>() {
+        Some(prefix) => buffered.len() >= 4 + u32::from_le_bytes(*prefix) as usize,
+        None => false,
     }
 }
