@@ -26,8 +26,9 @@
 //!   queued behind it.
 //!
 //! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer
-//! and hands each frame up as a [`bytes::Bytes`] slice of it: no allocation
-//! or copy per frame. The buffer grows with the bytes that arrived, never
+//! and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
+//! up to [`reader::COPY_UP_TO`] bytes, as a copy (cheaper for small frames
+//! than sharing the buffer). The buffer grows with the bytes that arrived, never
 //! with the length a peer announces; frames over 64 KiB claim a share of
 //! the transport's [read budget](TcpTransport::read_budget) first.
 //!
