@@ -372,6 +372,10 @@ pub struct Connection {
     /// The peer's region is written up to here (stream position): it may
     /// not report space beyond it freed.
     region_sent_to: u64,
+    /// Which receive slots (first `ring_slots`) and send slots (the rest)
+    /// have a work request posted and not completed: a completion for one
+    /// that has none is a broken verbs layer, not something to act on.
+    posted: Vec<bool>,
     // receiving
     ring_slots: u32,
     slot_size: usize,
@@ -403,6 +407,10 @@ impl Connection {
             in_flight: 0,
             data_slots: peer,
             region_sent_to: 0,
+            // Every receive slot is posted before connecting.
+            posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
+                .map(|i| i < cfg.ring_slots)
+                .collect(),
             ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.ring_slots),
@@ -639,6 +647,7 @@ impl Connection {
 
     fn push_send(&mut self, kind: WorkKind, slot: u32, mut header: Header, body_len: usize) {
         self.stamp(&mut header);
+        self.posted[(self.ring_slots + slot) as usize] = true;
         self.transmit.push_back(Transmit::Send {
             kind,
             slot,
@@ -764,6 +773,17 @@ impl Connection {
             ));
             return;
         }
+        if let Some(posted) = self.posted_flag(kind, index) {
+            if !std::mem::replace(posted, false) {
+                // A second completion of one request: taking it would hand
+                // out a slot still in use.
+                self.fail(format!(
+                    "completion of a {kind:?} work request on slot {index} that was not posted ({:#x})",
+                    wc.wr_id
+                ));
+                return;
+            }
+        }
         if kind != WorkKind::Recv {
             self.in_flight = self.in_flight.saturating_sub(1);
         }
@@ -803,7 +823,21 @@ impl Connection {
         }
     }
 
+    /// Whether slot `index` of `kind` has a request posted (`None` for
+    /// WRITEs, which have no slot).
+    fn posted_flag(&mut self, kind: WorkKind, index: u32) -> Option<&mut bool> {
+        let at = match kind {
+            WorkKind::Recv => index,
+            WorkKind::Send | WorkKind::Control | WorkKind::Heap => self.ring_slots + index,
+            WorkKind::Write => return None,
+        };
+        self.posted.get_mut(at as usize)
+    }
+
     fn repost(&mut self, slot: u32) {
+        if let Some(posted) = self.posted.get_mut(slot as usize) {
+            *posted = true;
+        }
         self.transmit.push_back(Transmit::Recv { slot });
         self.ring.on_reposted();
     }
@@ -935,6 +969,9 @@ impl Connection {
     pub fn handle_released(&mut self, slot: u32) {
         if matches!(self.lifecycle, Lifecycle::Failed(_)) {
             return;
+        }
+        if let Some(posted) = self.posted.get_mut(slot as usize) {
+            *posted = true;
         }
         self.transmit.push_back(Transmit::Recv { slot });
         self.ring.on_released();
@@ -1073,6 +1110,46 @@ mod tests {
             &credit_message(0),
         );
         assert_eq!(conn.failure(), None);
+    }
+
+    #[test]
+    fn a_second_completion_of_one_request_fails_the_connection() {
+        // A SEND completed twice would free its slot twice.
+        let mut conn = connection();
+        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+            panic!("no room for an inline frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        let Some(Transmit::Send { kind, slot, .. }) = conn.poll_transmit() else {
+            panic!("the frame was not sent")
+        };
+        complete(&mut conn, kind.wr_id(slot), &[]);
+        assert_eq!(conn.failure(), None);
+        complete(&mut conn, kind.wr_id(slot), &[]);
+        let failure = conn.failure().expect("a second SEND completion was taken");
+        assert!(failure.contains("not posted"), "{failure}");
+
+        // A receive slot holding an undelivered frame has no receive posted.
+        let mut conn = connection();
+        let mut header = Header::new(Kind::Inline);
+        header.len = 4;
+        let mut bytes = [0; HEADER_LEN];
+        header.encode(&mut bytes);
+        let arrival = |conn: &mut Connection| {
+            conn.handle_completion(Completion {
+                wr_id: WorkKind::Recv.wr_id(3),
+                failure: None,
+                byte_len: HEADER_LEN + 4,
+                header: &bytes,
+            })
+        };
+        arrival(&mut conn);
+        assert_eq!(conn.failure(), None);
+        arrival(&mut conn);
+        let failure = conn
+            .failure()
+            .expect("a receive into a slot not posted was taken");
+        assert!(failure.contains("not posted"), "{failure}");
     }
 
     #[test]
