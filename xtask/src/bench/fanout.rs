@@ -23,10 +23,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{date, fields, machine, plot, Panel, Series, Settings};
+use super::{date, fields, machine, plot, Panel, Series, ServerProcess, Settings};
 use crate::{rxe, workspace_root};
 
 /// The part's plot, next to `benchmarks.md`.
@@ -280,16 +280,6 @@ pub(super) fn run(node: &Path, settings: &Settings, rdma: bool) -> Result<FanOut
         svg: svg(&results, rdma),
         failed: (!problems.is_empty()).then(|| problems.join("; ")),
     })
-}
-
-/// Kills the server process when dropped.
-struct ServerProcess(Child);
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Starts a `fanout-bench server`; returns it and its shards' `--shard` values.
