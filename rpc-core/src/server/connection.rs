@@ -410,7 +410,7 @@ impl ServerConn {
         end_stream: bool,
         backlog: &mut RefusalBacklog,
     ) {
-        let Some((service, method)) = route(&self.routes, &path) else {
+        let Some((service, method_at)) = route(&self.routes, &path) else {
             let status = Status::unimplemented(format!("no service for method {path}"));
             return backlog.refuse(&*self.sink, id, status);
         };
@@ -476,7 +476,15 @@ impl ServerConn {
             peer = %self.peer,
             trace_id = tracing::field::Empty
         );
-        let run = run_call(Arc::clone(self), id, service, method, path, deadline, call);
+        let run = run_call(
+            Arc::clone(self),
+            id,
+            service,
+            path,
+            method_at,
+            deadline,
+            call,
+        );
         let task = match trace {
             None => spawn_in(span, run),
             Some(context) => {
@@ -567,10 +575,11 @@ impl RefusalBacklog {
 }
 
 /// Splits `/package.Service/Method` and finds the service.
-fn route(routes: &Routes, path: &str) -> Option<(Arc<dyn Service>, String)> {
+/// The service a call's path names, and where in the path its method starts.
+fn route(routes: &Routes, path: &str) -> Option<(Arc<dyn Service>, usize)> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     let service = routes.services.get(service)?;
-    Some((Arc::clone(service), method.to_string()))
+    Some((Arc::clone(service), path.len() - method.len()))
 }
 
 /// Runs a handler under its deadline, turning a panic or an expired deadline into a status.
@@ -578,12 +587,12 @@ async fn run_call(
     conn: Arc<ServerConn>,
     id: u64,
     service: Arc<dyn Service>,
-    method: String,
     path: String,
+    method_at: usize,
     deadline: Option<Instant>,
     call: ServerCall,
 ) {
-    let handler = AssertUnwindSafe(service.call(&method, call)).catch_unwind();
+    let handler = AssertUnwindSafe(service.call(&path[method_at..], call)).catch_unwind();
     let outcome = match deadline {
         None => Ok(handler.await),
         Some(deadline) => tokio::time::timeout_at(deadline, handler).await,
