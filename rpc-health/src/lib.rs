@@ -161,9 +161,12 @@ pub async fn check(client: &HealthClient, service: &str) -> Result<ServingStatus
 }
 
 /// Watches the health of each replica of a balanced channel (see
-/// [`watch_replicas`]); dropping it stops the watching.
+/// [`watch_replicas`]); dropping it stops the watching and marks every
+/// replica serving again (no stale "not serving" is left behind).
 #[derive(Debug)]
+#[must_use = "dropping it stops the watching at once"]
 pub struct ReplicaHealth {
+    channel: Channel,
     watchers: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -171,6 +174,9 @@ impl Drop for ReplicaHealth {
     fn drop(&mut self) {
         for watcher in &self.watchers {
             watcher.abort();
+        }
+        for replica in 0..self.channel.replica_count() {
+            self.channel.set_serving(replica, true);
         }
     }
 }
@@ -217,7 +223,10 @@ pub fn watch_replicas(channel: &Channel, service: &str) -> ReplicaHealth {
             tokio::spawn(watch)
         })
         .collect();
-    ReplicaHealth { watchers }
+    ReplicaHealth {
+        channel: channel.clone(),
+        watchers,
+    }
 }
 
 /// Watches one replica until it turns out to have no health service.
@@ -232,13 +241,13 @@ async fn watch_one(channel: Channel, replica: usize, address: String, service: S
     };
     let mut backoff = REWATCH_BACKOFF.0;
     loop {
-        match watch_stream(&client, &service, |status| {
+        let mut delivered = false;
+        let ended = watch_stream(&client, &service, |status| {
+            delivered = true;
             channel.set_serving(replica, status == ServingStatus::Serving);
         })
-        .await
-        {
-            Ok(true) => backoff = REWATCH_BACKOFF.0,
-            Ok(false) => {}
+        .await;
+        match ended {
             Err(status) if status.code() == Code::Unimplemented => {
                 channel.set_serving(replica, true);
                 return;
@@ -246,29 +255,32 @@ async fn watch_one(channel: Channel, replica: usize, address: String, service: S
             Err(status) => {
                 tracing::debug!(%address, "watching the replica's health failed: {status}");
             }
+            Ok(()) => {}
+        }
+        // A watch that worked for a while (the replica restarted, say) is
+        // made again soon; one that keeps failing, less and less often.
+        if delivered {
+            backoff = REWATCH_BACKOFF.0;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(REWATCH_BACKOFF.1);
     }
 }
 
-/// One `Watch` call, each status to `seen`; `Ok(true)` when it delivered
-/// any before it ended.
+/// One `Watch` call, each status to `seen`, until it ends.
 async fn watch_stream(
     client: &HealthClient,
     service: &str,
     mut seen: impl FnMut(ServingStatus),
-) -> Result<bool, Status> {
+) -> Result<(), Status> {
     let mut replies = client
         .watch(HealthCheckRequest {
             service: service.to_string(),
         })
         .await?
         .into_inner();
-    let mut delivered = false;
     while let Some(reply) = replies.message().await? {
         seen(reply.status());
-        delivered = true;
     }
-    Ok(delivered)
+    Ok(())
 }

@@ -134,12 +134,16 @@ async fn a_balanced_channel_follows_its_replicas_health() {
     until("replica a marked serving again", || channel.is_serving(0)).await;
     assert_eq!(answered_by(&client, "replica-a", 10).await, 5);
 
-    // Dropped, it stops watching.
-    drop(health);
+    // Dropped, it stops watching and leaves no replica marked not serving.
     a.set_not_serving("shard.Model");
+    until("replica a marked not serving", || !channel.is_serving(0)).await;
+    drop(health);
+    assert!(channel.is_serving(0), "a stale status outlived the watch");
+    channel.set_serving(0, false);
+    a.set_serving("shard.Model");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
-        channel.is_serving(0),
+        !channel.is_serving(0),
         "still watched after the watch was dropped"
     );
 }
