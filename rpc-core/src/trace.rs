@@ -117,7 +117,8 @@ impl TraceContext {
         };
         let trace_id = hex(&bytes[3..35])?;
         let span_id = u64::try_from(hex(&bytes[36..52])?).ok()?;
-        let flags = u8::try_from(hex(&bytes[53..55])?).ok()?;
+        // Only the sampled bit is defined; the others are passed on as zero.
+        let flags = u8::try_from(hex(&bytes[53..55])?).ok()? & 0x01;
         (tail_ok && trace_id != 0 && span_id != 0).then_some(TraceContext {
             trace_id,
             span_id,
@@ -230,6 +231,11 @@ mod tests {
         for header in bad {
             assert_eq!(TraceContext::parse(header), None, "{header:?}");
         }
+        // Flags other than "sampled" are not passed on.
+        let unknown_flags = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-ff";
+        let parsed = TraceContext::parse(unknown_flags).unwrap();
+        assert!(parsed.is_sampled());
+        assert!(parsed.child().to_string().ends_with("-01"), "{parsed}");
         // A later version's extra fields are skipped.
         let later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes-next";
         assert_eq!(

@@ -669,6 +669,29 @@ async fn wait_for_ready_waits_for_a_replica_marked_serving() {
     assert!(!call.is_finished(), "a call went to a replica not serving");
     assert_eq!(a.started(), 0);
     channel.set_serving(0, true);
-    assert_eq!(call.await.unwrap().unwrap(), "x");
+    let answer = tokio::time::timeout(ms(100), call)
+        .await
+        .expect("the waiting call missed the replica's return");
+    assert_eq!(answer.unwrap().unwrap(), "x");
     assert_eq!(a.started(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_on_replicas_wakes_when_one_is_marked_serving() {
+    let a = serve(ms(1)).await;
+    let b = serve(ms(1)).await;
+    let endpoints = [&a, &b].map(|r| Endpoint::new(&r.address).unwrap().wait_for_ready(true));
+    let channel = Channel::balance(endpoints, Balance::RoundRobin).unwrap();
+    channel.set_serving(0, false);
+    channel.set_serving(1, false);
+    let client = Client::new(channel.clone());
+    let call = tokio::spawn(async move { infer(&client, Request::new(Bytes::from("y"))).await });
+    tokio::time::sleep(ms(1_000)).await;
+    assert!(!call.is_finished(), "a call went to a replica not serving");
+    channel.set_serving(1, true);
+    let answer = tokio::time::timeout(ms(100), call)
+        .await
+        .expect("the waiting call missed the replica's return");
+    assert_eq!(answer.unwrap().unwrap(), "y");
+    assert_eq!((a.started(), b.started()), (0, 1));
 }

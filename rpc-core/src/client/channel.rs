@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::intercept::Peer;
 use crate::status::Status;
+use crate::transport::TransportError;
 
 use super::call_table::ClientConn;
 use super::endpoint::{frame_limits, AddressError, ChannelConfig, ConnectError, Endpoint};
@@ -221,7 +222,10 @@ impl Channel {
         if let [only] = replicas.as_slice() {
             if only.is_serving() {
                 let conn = only.connection(wait).await?;
-                return Ok(Picked { conn, replica: 0 });
+                // Marked not serving while it waited: the loop below waits on.
+                if only.is_serving() {
+                    return Ok(Picked { conn, replica: 0 });
+                }
             }
         }
         // Replicas whose attempt failed during this pick (allocates only then).
@@ -422,9 +426,18 @@ impl Replica {
                 let outcome = replica.dial().await;
                 replica.record_attempt(outcome, previous_delay)
             });
-            let outcome = attempt
-                .await
-                .unwrap_or_else(|e| Err(Status::internal(format!("connecting failed: {e}"))));
+            let outcome = match attempt.await {
+                Ok(outcome) => outcome,
+                // The transport's connect panicked: back off as after any
+                // failure, so that waiting callers do not retry in a loop.
+                Err(e) => self.record_attempt(
+                    Err(ConnectError::Transport {
+                        address: self.endpoint.address.clone(),
+                        source: TransportError::Protocol(format!("connecting panicked: {e}")),
+                    }),
+                    previous_delay,
+                ),
+            };
             match outcome {
                 Ok(conn) => return Ok(conn),
                 Err(_) if wait_for_ready => continue,
