@@ -58,7 +58,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -178,9 +178,6 @@ impl Side {
             };
             (path, labels)
         };
-        if let Some(found) = read(&self.by_path).get(path) {
-            return Arc::clone(found);
-        }
         let created = Arc::new(PerMethod {
             started: self.started.get_or_create_owned(&labels),
             seconds: self.seconds.get_or_create_owned(&labels),
@@ -189,6 +186,14 @@ impl Side {
             labels,
         });
         let mut by_path = self.by_path.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = by_path.get(path) {
+            return Arc::clone(found); // made meanwhile, or the shared "(other)"
+        }
+        if by_path.len() >= MAX_METHODS && path != OTHER_METHOD {
+            // Filled up meanwhile: count it with the others.
+            drop(by_path);
+            return self.method(OTHER_METHOD);
+        }
         Arc::clone(by_path.entry(path.to_string()).or_insert(created))
     }
 
@@ -293,6 +298,9 @@ impl Interceptor for ClientMetrics {
     }
 }
 
+/// How long a scrape's request head may take to arrive.
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The OpenMetrics content type Prometheus asks for.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -324,9 +332,14 @@ impl MetricsServer {
         self.local_addr
     }
 
-    /// Serves scrapes until dropped; each connection on a task of its own.
+    /// Serves scrapes until dropped (its connections with it); each
+    /// connection on a task of its own, closed if a request's head does not
+    /// arrive within 10 s.
     pub async fn serve(self) {
+        let mut connections = tokio::task::JoinSet::new();
         loop {
+            // Reap the connections that ended.
+            while connections.try_join_next().is_some() {}
             let stream = match self.listener.accept().await {
                 Ok((stream, _)) => stream,
                 Err(error) => {
@@ -337,12 +350,14 @@ impl MetricsServer {
                 }
             };
             let registry = Arc::clone(&self.registry);
-            tokio::spawn(async move {
+            connections.spawn(async move {
                 let scrape = service_fn(move |request| {
                     let response = respond(&registry, &request);
                     async move { Ok::<_, Infallible>(response) }
                 });
                 if let Err(error) = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(stream), scrape)
                     .await
                 {

@@ -168,10 +168,18 @@ async fn counters_move_with_the_calls_and_the_endpoint_serves_them() {
     );
     assert!(scrape.ends_with("# EOF\n"), "{scrape}");
 
-    // Released, the held call ends: the gauge falls, the counters rise.
+    // Released, the held call ends: the gauge falls, the counters rise (the
+    // server records the end once its final status is sent: poll for it).
     release.send(()).unwrap();
     held_call.await.unwrap().unwrap();
-    let (_, scrape) = get(scrape_at, "/metrics").await;
+    let mut scrape = String::new();
+    for _ in 0..100 {
+        scrape = get(scrape_at, "/metrics").await.1;
+        if value(&scrape, &format!("rpc_server_in_flight{hold}")) == Some(0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let at = |series: &str| value(&scrape, series);
     assert_eq!(
         at(&format!("rpc_server_in_flight{hold}")),
