@@ -1044,11 +1044,14 @@ impl Connection {
 mod tests {
     use super::*;
 
+    /// The peer's ring, so our data send slots; our own ring has more, so
+    /// that mixing the two up shows.
     const SLOTS: u32 = 8;
+    const RING_SLOTS: u32 = 12;
 
     fn connection() -> Connection {
         Connection::new(Config {
-            ring_slots: SLOTS,
+            ring_slots: RING_SLOTS,
             slot_size: 96,
             region_len: 256,
             peer_ring_slots: SLOTS,
@@ -1081,7 +1084,7 @@ mod tests {
     #[test]
     fn a_completion_for_a_slot_out_of_range_fails_the_connection() {
         let cases = [
-            (WorkKind::Recv, SLOTS),
+            (WorkKind::Recv, RING_SLOTS),
             (WorkKind::Send, SLOTS),
             (WorkKind::Send, u32::MAX),
             (WorkKind::Control, SLOTS - 1),
@@ -1106,10 +1109,24 @@ mod tests {
         let mut conn = connection();
         complete(
             &mut conn,
-            WorkKind::Recv.wr_id(SLOTS - 1),
+            WorkKind::Recv.wr_id(RING_SLOTS - 1),
             &credit_message(0),
         );
         assert_eq!(conn.failure(), None);
+        // In range but with nothing posted there: not taken either.
+        for (kind, index) in [
+            (WorkKind::Send, SLOTS - 1),
+            (WorkKind::Control, SLOTS),
+            (WorkKind::Heap, SLOTS + CTRL_SLOTS + HEAP_SLOTS - 1),
+        ] {
+            let mut conn = connection();
+            complete(&mut conn, kind.wr_id(index), &[]);
+            let failure = conn.failure().unwrap_or_default().to_string();
+            assert!(
+                failure.contains("not posted"),
+                "{kind:?} {index}: {failure:?}"
+            );
+        }
     }
 
     #[test]
