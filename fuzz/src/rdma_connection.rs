@@ -27,6 +27,27 @@ use arbitrary::Arbitrary;
 pub mod lying;
 pub mod pair;
 
+/// Inline frames are at most this long (a 96-byte slot less the header),
+/// region frames at most half the 256-byte region, delivered ones at most
+/// 1000 bytes: the geometry both modes use.
+const INLINE_MAX: usize = 64;
+const CHUNK_MAX: usize = 128;
+const FRAME_MAX: usize = 1000;
+
+/// A frame length from a fuzzed `v`: its low two bits pick inline, region,
+/// chunked within the frame limit, or anything up to `max`; the rest the
+/// length within that. Each route is as likely as the others (a uniform
+/// length would be inline or region one time in twenty).
+pub fn frame_len(v: u16, max: usize) -> usize {
+    let n = usize::from(v >> 2);
+    match v & 3 {
+        0 => n % (INLINE_MAX + 1),
+        1 => INLINE_MAX + 1 + n % (CHUNK_MAX - INLINE_MAX),
+        2 => CHUNK_MAX + 1 + n % (FRAME_MAX - CHUNK_MAX),
+        _ => n % (max + 1),
+    }
+}
+
 /// One input: which mode, and its events.
 #[derive(Debug, Arbitrary)]
 pub enum ConnectionInput {

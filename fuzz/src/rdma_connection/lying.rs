@@ -16,6 +16,7 @@ use transport_rdma::proto::{
     SendDecision, Transmit, WorkKind, CTRL_SLOTS, FIRST, HEADER_LEN, HEAP_SLOTS, LAST,
 };
 
+use super::frame_len;
 use crate::alloc_meter::{held_since, live_bytes};
 
 const SLOTS: u32 = 8;
@@ -33,10 +34,11 @@ const SLACK: usize = 64 << 10;
 /// One event.
 #[derive(Debug, Arbitrary)]
 pub enum Op {
-    /// The application sends a frame of `len % 3000` bytes (inline, region
-    /// or chunked, by size); `cancel` gives the reservation back instead.
+    /// The application sends a frame of [`frame_len`]`(len, 3000)` bytes
+    /// (inline, region or chunked, by size); `cancel` gives the reservation
+    /// back instead.
     Send {
-        /// The frame length, before the modulo.
+        /// The frame length, before [`frame_len`].
         len: u16,
         /// Whether the encoding "panicked" and the reservation is cancelled.
         cancel: bool,
@@ -50,8 +52,8 @@ pub enum Op {
         /// The message (its first bytes are the header).
         bytes: Vec<u8>,
     },
-    /// A well-formed header with fields a peer chooses lands in the
-    /// receive slot posted longest ago.
+    /// A header with fields a peer chooses (those of its kind) lands in
+    /// the receive slot posted longest ago.
     Receive {
         /// The kind, taken modulo the kinds there are.
         kind: u8,
@@ -63,10 +65,11 @@ pub enum Op {
         total: u32,
         /// A chunk's region position.
         pos: u16,
-        /// Credits granted.
-        credits: u16,
-        /// The peer's report of our region freed.
-        freed_to: u16,
+        /// Credits granted (near: relative to what the peer may return).
+        credits: Value,
+        /// The peer's report of our region freed (near: relative to the
+        /// end of what was written into it).
+        freed_to: Value,
     },
     /// A completion with any `wr_id`.
     RawCompletion {
@@ -91,6 +94,25 @@ pub enum Op {
     Close,
     /// The connection goes down.
     Disconnect,
+}
+
+/// A number a peer chooses: any, or a near miss of the honest limit (so
+/// that off-by-a-few lies are tried as often as wild ones).
+#[derive(Debug, Clone, Copy, Arbitrary)]
+pub enum Value {
+    /// This value.
+    Any(u16),
+    /// The honest limit plus this.
+    Near(i8),
+}
+
+impl Value {
+    fn get(self, limit: u64) -> u64 {
+        match self {
+            Value::Any(v) => u64::from(v),
+            Value::Near(d) => limit.saturating_add_signed(i64::from(d)),
+        }
+    }
 }
 
 /// The simulated registered memory the connection reads received bytes from.
@@ -223,7 +245,7 @@ pub fn check(ops: &[Op]) {
         let mut must_fail: Option<String> = None;
         let mut must_take = false;
         match op {
-            Op::Send { len, cancel } => send(&mut conn, usize::from(*len) % 3000, *cancel, &m),
+            Op::Send { len, cancel } => send(&mut conn, frame_len(*len, 3000), *cancel, &m),
             Op::Transmit => {
                 while let Some(t) = conn.poll_transmit() {
                     transmitted(&t, &mut m);
@@ -268,12 +290,21 @@ pub fn check(ops: &[Op]) {
                 };
                 let kinds = [Kind::Inline, Kind::Chunk, Kind::Credit, Kind::Close];
                 let mut header = Header::new(kinds[usize::from(*kind) % kinds.len()]);
-                header.flags = flags & (FIRST | LAST);
-                header.len = u32::from(*len);
-                header.total = *total;
-                header.pos = u64::from(*pos);
-                header.credits = *credits;
-                header.freed_to = u64::from(*freed_to);
+                // Only the fields its kind carries (a header malformed
+                // otherwise is `RawReceive`'s business).
+                match header.kind {
+                    Kind::Inline => header.len = u32::from(*len),
+                    Kind::Chunk => {
+                        header.flags = flags & (FIRST | LAST);
+                        header.len = u32::from(*len);
+                        header.total = *total;
+                        header.pos = u64::from(*pos);
+                    }
+                    Kind::Credit | Kind::Close => {}
+                }
+                let returnable = u64::from(SLOTS - m.credits.min(SLOTS));
+                header.credits = credits.get(returnable).min(u16::MAX.into()) as u16;
+                header.freed_to = freed_to.get(m.written_to);
                 let bytes = header.to_bytes();
                 let byte_len = match header.kind {
                     Kind::Inline => HEADER_LEN + header.len as usize,

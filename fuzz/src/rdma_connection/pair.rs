@@ -12,6 +12,7 @@
 
 use std::collections::VecDeque;
 
+use super::frame_len;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use transport_rdma::proto::{
@@ -25,9 +26,9 @@ const INLINE_MAX: usize = SLOT_SIZE - HEADER_LEN;
 const REGION: usize = 256;
 const MAX_FRAME: usize = 1000;
 const PREFIX: usize = 20;
-/// Frames are `len % MAX_LEN` bytes: inline, region, chunked and oversized
+/// Frames are at most this long: inline, region, chunked and oversized
 /// (never past the skip limit, which would fail the connection).
-const MAX_LEN: usize = 1200;
+const MAX_LEN: usize = 1199;
 const SEND_SLOTS: usize = (SLOTS + CTRL_SLOTS + HEAP_SLOTS) as usize;
 
 /// One input: how many frames each application keeps forever, then events.
@@ -43,11 +44,11 @@ pub struct PairInput {
 /// One event; `b` says which side (`false`: a).
 #[derive(Debug, Clone, Copy, Arbitrary)]
 pub enum PairOp {
-    /// The application queues a frame of `len % 1200` bytes.
+    /// The application queues a frame of [`frame_len`]`(len, 1199)` bytes.
     Send {
         /// The side.
         b: bool,
-        /// Frame length, before the modulo.
+        /// Frame length, before [`frame_len`].
         len: u16,
     },
     /// The application hands its queued frames to the connection, and the
@@ -583,7 +584,7 @@ pub fn check(input: &PairInput) -> Moved {
     for op in &input.ops {
         match *op {
             PairOp::Send { b: on_b, len } => {
-                let f = frame(next, usize::from(len) % MAX_LEN);
+                let f = frame(next, frame_len(len, MAX_LEN));
                 next += 1;
                 let me = if on_b { &mut b } else { &mut a };
                 me.app_queue.push_back(f);
@@ -683,10 +684,13 @@ mod tests {
     #[test]
     fn every_route_both_ways() {
         let mut ops = Vec::new();
-        for (i, len) in [0u16, 5, 64, 65, 100, 128, 129, 300, 999, 1000, 1001, 1199]
+        for (i, len) in [0, 5, 64, 65, 100, 128, 129, 300, 999, 1000, 1001, 1199]
             .into_iter()
             .enumerate()
         {
+            // The fuzzed value giving `len` (the last route: any length).
+            let len = (len << 2 | 3) as u16;
+            assert_eq!(frame_len(len, MAX_LEN), usize::from(len >> 2));
             let b = i % 3 == 0;
             ops.push(PairOp::Send { b, len });
             ops.push(PairOp::Pump { b });
