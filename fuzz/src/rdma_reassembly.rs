@@ -11,7 +11,7 @@
 use arbitrary::Arbitrary;
 use transport_rdma::proto::{Assembled, Reassembly, FIRST, LAST};
 
-use crate::alloc_meter::live_bytes;
+use crate::alloc_meter::{held_since, live_bytes};
 
 /// One input: the limits and the chunks.
 #[derive(Debug, Arbitrary)]
@@ -66,7 +66,7 @@ pub fn check(input: &ReassemblyInput) {
         collected.extend_from_slice(data);
         let before = live_bytes();
         let result = reassembly.chunk(flags, announced, data);
-        let held = live_bytes().saturating_sub(before);
+        let held = held_since(before);
         assert!(
             held <= 2 * collected.len() + SLACK,
             "reassembly holds {held} bytes after {} bytes of a frame announcing {total}",

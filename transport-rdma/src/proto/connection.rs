@@ -376,6 +376,8 @@ pub struct Connection {
     /// have a work request posted and not completed: a completion for one
     /// that has none is a broken verbs layer, not something to act on.
     posted: Vec<bool>,
+    /// RDMA WRITEs posted and not completed (they have no slot to mark).
+    writes_posted: u32,
     // receiving
     ring_slots: u32,
     slot_size: usize,
@@ -411,6 +413,7 @@ impl Connection {
             posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
                 .map(|i| i < cfg.ring_slots)
                 .collect(),
+            writes_posted: 0,
             ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.ring_slots),
@@ -665,6 +668,7 @@ impl Connection {
             pos,
             data,
         });
+        self.writes_posted += 1;
         self.in_flight += 1;
     }
 
@@ -773,16 +777,24 @@ impl Connection {
             ));
             return;
         }
-        if let Some(posted) = self.posted_flag(kind, index) {
-            if !std::mem::replace(posted, false) {
-                // A second completion of one request: taking it would hand
-                // out a slot still in use.
-                self.fail(format!(
-                    "completion of a {kind:?} work request on slot {index} that was not posted ({:#x})",
-                    wc.wr_id
-                ));
-                return;
-            }
+        let was_posted = if kind == WorkKind::Write {
+            let posted = self.writes_posted > 0;
+            self.writes_posted = self.writes_posted.saturating_sub(1);
+            posted
+        } else {
+            // In range (checked above): the flag exists.
+            self.posted_flag(kind, index)
+                .is_some_and(|posted| std::mem::replace(posted, false))
+        };
+        if !was_posted {
+            // A second completion of one request (or of one never posted):
+            // taking it would hand out a slot still in use, or count a
+            // request still in flight as done.
+            self.fail(format!(
+                "completion of a {kind:?} work request on slot {index} that was not posted ({:#x})",
+                wc.wr_id
+            ));
+            return;
         }
         if kind != WorkKind::Recv {
             self.in_flight = self.in_flight.saturating_sub(1);
@@ -819,7 +831,8 @@ impl Connection {
             WorkKind::Send => index < self.data_slots,
             WorkKind::Control => ctrl.contains(&index),
             WorkKind::Heap => heap.contains(&index),
-            WorkKind::Write => true,
+            // Posted with index 0 (`push_write`'s request).
+            WorkKind::Write => index == 0,
         }
     }
 
@@ -1166,6 +1179,51 @@ mod tests {
         let failure = conn
             .failure()
             .expect("a receive into a slot not posted was taken");
+        assert!(failure.contains("not posted"), "{failure}");
+    }
+
+    #[test]
+    fn a_write_completion_with_no_write_posted_fails_the_connection() {
+        // Taken, it would count a SEND still in flight as done: the
+        // connection would look drained (and its driver stop) too early.
+        let mut conn = connection();
+        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+            panic!("no room for an inline frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        while conn.poll_transmit().is_some() {}
+        assert_eq!(conn.in_flight(), 1);
+        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
+        let failure = conn
+            .failure()
+            .expect("a WRITE completion nobody posted was taken");
+        assert!(failure.contains("not posted"), "{failure}");
+
+        // A WRITE's wr_id has index 0; another one is out of range.
+        let mut conn = connection();
+        let SendDecision::Encode(reservation) = conn.handle_send(100) else {
+            panic!("no room for a region frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        while conn.poll_transmit().is_some() {}
+        complete(&mut conn, WorkKind::Write.wr_id(7), &[]);
+        let failure = conn
+            .failure()
+            .expect("a WRITE completion of index 7 was taken");
+        assert!(failure.contains("out of range"), "{failure}");
+
+        // The WRITE posted completes once, then no more.
+        let mut conn = connection();
+        let SendDecision::Encode(reservation) = conn.handle_send(100) else {
+            panic!("no room for a region frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        while conn.poll_transmit().is_some() {}
+        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
+        assert_eq!(conn.failure(), None);
+        assert_eq!(conn.in_flight(), 1, "the SEND is still in flight");
+        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
+        let failure = conn.failure().expect("a second WRITE completion was taken");
         assert!(failure.contains("not posted"), "{failure}");
     }
 
