@@ -291,10 +291,10 @@ pub enum OwnClose {
 pub enum Lifecycle {
     /// Both sides open.
     Open,
-    /// The peer is open; our side is closing or closed.
+    /// The peer is open; our side is closing or closed (we still receive).
     Closing(OwnClose),
     /// The peer sent `Close` (what came before it is still delivered);
-    /// `OwnClose` is our side.
+    /// `OwnClose` is our side, which may still send until it closes.
     PeerClosed(OwnClose),
     /// The peer closed in order, then the connection went down: what
     /// arrived is still delivered, nothing more is sent.
@@ -482,6 +482,16 @@ impl Connection {
         self.fail(format!("peer broke the protocol: {e}"));
     }
 
+    /// Whether our side may still send: it has not asked to close. The
+    /// peer's `Close` ends only its direction (a half-close): what we send
+    /// afterwards is still delivered, until the connection goes down.
+    fn may_send(&self) -> bool {
+        matches!(
+            self.lifecycle,
+            Lifecycle::Open | Lifecycle::PeerClosed(OwnClose::No)
+        )
+    }
+
     /// Asks to close our side: later sends are refused, `Close` goes after
     /// what is queued.
     pub fn close(&mut self) {
@@ -533,7 +543,7 @@ impl Connection {
         if let Lifecycle::Failed(reason) = &self.lifecycle {
             return SendDecision::Refused(Refusal::Failed(reason.clone()));
         }
-        if !matches!(self.lifecycle, Lifecycle::Open) {
+        if !self.may_send() {
             return SendDecision::Refused(Refusal::Closed);
         }
         let Ok(len32) = u32::try_from(len) else {
@@ -601,7 +611,7 @@ impl Connection {
             Place::Heap => {
                 let refused = match &self.lifecycle {
                     Lifecycle::Failed(reason) => Some(Refusal::Failed(reason.clone())),
-                    Lifecycle::Open => None,
+                    _ if self.may_send() => None,
                     _ => Some(Refusal::Closed),
                 };
                 if let Some(refused) = refused {

@@ -78,6 +78,8 @@ struct Side {
     held: Vec<u32>,
     kept_forever: usize,
     got: Vec<Got>,
+    /// The peer's `Close` was delivered.
+    eof: bool,
 }
 
 impl Side {
@@ -107,6 +109,7 @@ impl Side {
             held: Vec::new(),
             kept_forever: 0,
             got: Vec::new(),
+            eof: false,
         }
     }
 }
@@ -262,6 +265,12 @@ fn poll(me: &mut Side) -> usize {
         region: &me.region,
     };
     while let Some(d) = me.conn.poll_delivery(&mem) {
+        if d == Delivered::Eof {
+            // The end stays delivered: count it once.
+            n += usize::from(!me.eof);
+            me.eof = true;
+            break;
+        }
         n += 1;
         match d {
             Delivered::InSlot { slot, len } => {
@@ -532,4 +541,71 @@ fn one_way_bulk_with_stingy_app() {
     );
     let want: Vec<_> = frames.into_iter().map(Got::Frame).collect();
     assert!(b.got == want, "frames differ or out of order");
+}
+
+/// Pumps both ways until nothing moves; the application releases every
+/// frame it holds.
+fn settle(a: &mut Side, b: &mut Side, to_b: &mut VecDeque<Msg>, to_a: &mut VecDeque<Msg>) {
+    for _ in 0..100_000 {
+        let mut moved = pump(a, b, to_b) + pump(b, a, to_a);
+        while let Some(m) = to_b.pop_front() {
+            arrive(b, m);
+            moved += 1;
+        }
+        while let Some(m) = to_a.pop_front() {
+            arrive(a, m);
+            moved += 1;
+        }
+        moved += poll(a) + poll(b);
+        for side in [&mut *a, &mut *b] {
+            while let Some(slot) = side.held.pop() {
+                side.conn.handle_released(slot);
+                moved += 1;
+            }
+        }
+        check(a, b, to_b, to_a);
+        if moved == 0 {
+            return;
+        }
+    }
+    panic!("still moving after 100,000 rounds");
+}
+
+#[test]
+fn a_half_closed_connection_carries_the_other_direction_to_the_end() {
+    let mut a = Side::new();
+    let mut b = Side::new();
+    let (mut to_b, mut to_a) = (VecDeque::new(), VecDeque::new());
+    // `a` closes its side first, with nothing queued: `b` reads the end.
+    a.conn.close();
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    assert!(b.eof, "b did not see a's close");
+    assert!(!a.eof);
+    assert!(matches!(
+        a.conn.handle_send(8),
+        SendDecision::Refused(Refusal::Closed)
+    ));
+    // `b` still sends, frames of every route, more than the ring and the
+    // region hold at once: `a` (closed) keeps returning credits and space.
+    let frames: Vec<_> = (0..300)
+        .map(|i| frame(i, (i * 37) % (3 * REGION)))
+        .collect();
+    b.app_queue.extend(frames.iter().cloned());
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    assert!(
+        b.app_queue.is_empty() && b.conn.queued() == 0,
+        "b stalled: {}",
+        b.conn.summary()
+    );
+    let want: Vec<_> = frames.into_iter().map(Got::Frame).collect();
+    assert!(a.got == want, "frames differ or out of order");
+    assert!(!a.eof);
+    // Then `b` closes: both ends have seen the end and are drained.
+    b.conn.close();
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    assert!(a.eof, "a did not see b's close");
+    for side in [&a, &b] {
+        assert!(side.conn.is_drained(), "{}", side.conn.summary());
+        assert_eq!(side.conn.region_in_use(), 0);
+    }
 }
