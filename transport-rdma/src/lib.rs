@@ -108,7 +108,10 @@ mod conn;
 mod device_events;
 pub mod proto;
 mod registry;
+mod stream;
 pub mod verbs;
+
+pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -260,6 +263,45 @@ fn resolve(authority: &str) -> Result<SocketAddr, TransportError> {
         .ok_or_else(|| invalid("no IPv4 address (only IPv4 is supported)"))
 }
 
+impl RdmaTransport {
+    /// Resolves, connects and exchanges hellos (a blocking thread does the
+    /// connection manager's steps).
+    async fn establish(&self, addr: SocketAddr) -> Result<conn::Established, TransportError> {
+        let cfg = self.clone();
+        tokio::task::spawn_blocking(move || conn::connect_blocking(addr, &cfg))
+            .await
+            .map_err(|e| TransportError::io("connect task", std::io::Error::other(e)))?
+    }
+
+    /// Listens on `authority`; every connection set up there is turned
+    /// into a `T` by `start` and queued for [`Accepting::poll_accept`].
+    fn accept_with<T: Send + 'static>(
+        &self,
+        authority: &str,
+        start: impl Fn(conn::Established, &RdmaTransport) -> Result<T, TransportError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<Accepting<T>, TransportError> {
+        let addr = resolve(authority)?;
+        let ctx = format!("listen on rdma://{addr}");
+        let e = |e: verbs::Error| TransportError::io(ctx.clone(), std::io::Error::other(e));
+        let channel = EventChannel::new().map_err(e)?;
+        let mut id = CmId::new(&channel).map_err(e)?;
+        id.bind(addr).map_err(e)?;
+        id.listen(128).map_err(e)?;
+        let local = format!("rdma://{}:{}", addr.ip(), id.local_port());
+        // SAFETY: `ListenFd` owns the listening id, which owns its event
+        // channel: the descriptor it returns is always the same and stays
+        // open until the AsyncFd (which owns the `ListenFd`) is dropped.
+        let fd = unsafe { AsyncFd::register(ListenFd(id)) }
+            .map_err(|err| TransportError::io(ctx.clone(), err.into_parts().1))?;
+        let (tx, rx) = mpsc::channel(16);
+        let task = tokio::spawn(accept_loop(fd, tx, self.clone(), Arc::new(start)));
+        Ok(Accepting { rx, local, task })
+    }
+}
+
 impl Transport for RdmaTransport {
     fn scheme(&self) -> &'static str {
         "rdma"
@@ -271,11 +313,7 @@ impl Transport for RdmaTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
-            let addr = resolve(authority)?;
-            let cfg = self.clone();
-            let est = tokio::task::spawn_blocking(move || conn::connect_blocking(addr, &cfg))
-                .await
-                .map_err(|e| TransportError::io("connect task", std::io::Error::other(e)))??;
+            let est = self.establish(resolve(authority)?).await?;
             conn::start(est, limits, self)
         })
     }
@@ -286,22 +324,9 @@ impl Transport for RdmaTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
-            let addr = resolve(authority)?;
-            let ctx = format!("listen on rdma://{addr}");
-            let e = |e: verbs::Error| TransportError::io(ctx.clone(), std::io::Error::other(e));
-            let channel = EventChannel::new().map_err(e)?;
-            let mut id = CmId::new(&channel).map_err(e)?;
-            id.bind(addr).map_err(e)?;
-            id.listen(128).map_err(e)?;
-            let local = format!("rdma://{}:{}", addr.ip(), id.local_port());
-            // SAFETY: `ListenFd` owns the listening id, which owns its event
-            // channel: the descriptor it returns is always the same and stays
-            // open until the AsyncFd (which owns the `ListenFd`) is dropped.
-            let fd = unsafe { AsyncFd::register(ListenFd(id)) }
-                .map_err(|err| TransportError::io(ctx.clone(), err.into_parts().1))?;
-            let (tx, rx) = mpsc::channel(16);
-            let task = tokio::spawn(accept_loop(fd, tx, self.clone(), limits));
-            Ok(Box::new(RdmaListener { rx, local, task }) as Box<dyn Listener>)
+            let accepting =
+                self.accept_with(authority, move |est, cfg| conn::start(est, limits, cfg))?;
+            Ok(Box::new(accepting) as Box<dyn Listener>)
         })
     }
 }
@@ -315,11 +340,15 @@ impl std::os::fd::AsRawFd for ListenFd {
     }
 }
 
-async fn accept_loop(
+/// Turns an established connection into what a listener hands out.
+type Start<T> =
+    dyn Fn(conn::Established, &RdmaTransport) -> Result<T, TransportError> + Send + Sync;
+
+async fn accept_loop<T: Send + 'static>(
     fd: AsyncFd<ListenFd>,
-    tx: mpsc::Sender<Result<Connection, TransportError>>,
+    tx: mpsc::Sender<Result<T, TransportError>>,
     cfg: RdmaTransport,
-    limits: FrameLimits,
+    start: Arc<Start<T>>,
 ) {
     loop {
         let mut guard = tokio::select! {
@@ -344,6 +373,7 @@ async fn accept_loop(
             };
             let cfg = cfg.clone();
             let tx = tx.clone();
+            let start = Arc::clone(&start);
             tokio::spawn(async move {
                 let accepted = {
                     let cfg = cfg.clone();
@@ -353,7 +383,7 @@ async fn accept_loop(
                     .await
                 };
                 let connection = match accepted {
-                    Ok(Ok(est)) => conn::start(est, limits, &cfg),
+                    Ok(Ok(est)) => start(est, &cfg),
                     Ok(Err(e)) => Err(e),
                     Err(e) => Err(TransportError::io("accept task", std::io::Error::other(e))),
                 };
@@ -369,19 +399,26 @@ async fn accept_loop(
     }
 }
 
-struct RdmaListener {
-    rx: mpsc::Receiver<Result<Connection, TransportError>>,
+/// A listening id's accepted connections, made into `T`s by its accept loop.
+struct Accepting<T> {
+    rx: mpsc::Receiver<Result<T, TransportError>>,
     local: String,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl Listener for RdmaListener {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
+impl<T> Accepting<T> {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<T, TransportError>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(result)) => Poll::Ready(result),
             Poll::Ready(None) => Poll::Ready(Err(TransportError::Closed)),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl Listener for Accepting<Connection> {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
+        Accepting::poll_accept(self, cx)
     }
 
     fn local_addr(&self) -> String {
@@ -389,7 +426,7 @@ impl Listener for RdmaListener {
     }
 }
 
-impl Drop for RdmaListener {
+impl<T> Drop for Accepting<T> {
     fn drop(&mut self) {
         self.task.abort();
     }

@@ -44,11 +44,28 @@ fn register<T: AsRawFd>(inner: T, what: &str) -> Result<AsyncFd<T>, TransportErr
         .map_err(|e| TransportError::io(format!("register the {what}"), e.into_parts().1))
 }
 
+/// Starts an established connection's driver task; returns its frame
+/// halves.
 pub(crate) fn start(
     est: Established,
     limits: FrameLimits,
     cfg: &RdmaTransport,
 ) -> Result<Connection, TransportError> {
+    let (sink, source) = start_halves(est, limits, cfg)?;
+    let peer = sink.shared.peer.clone();
+    Ok(Connection {
+        sink: Arc::new(sink),
+        source: Box::new(source),
+        peer,
+    })
+}
+
+/// [`start`], with the halves as they are (for the byte stream).
+pub(crate) fn start_halves(
+    est: Established,
+    limits: FrameLimits,
+    cfg: &RdmaTransport,
+) -> Result<(RdmaSink, RdmaSource), TransportError> {
     let placement = est
         .placement()
         .map_err(|e| io_error("find the connection's device objects", e))?;
@@ -57,7 +74,6 @@ pub(crate) fn start(
     let (shared, id, cc) = est.into_shared(limits, cfg);
     let cq_fd = register(CqFd(cc), "completion channel")?;
     let cm_fd = register(CmFd(id), "connection manager channel")?;
-    let peer_addr = shared.peer.clone();
     let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;
     registry::add(Arc::downgrade(&live), placement);
     // After the connection is in the registry: a starting watcher acts on the
@@ -75,16 +91,15 @@ pub(crate) fn start(
             _device_watch: device_watch,
         },
     ));
-    Ok(Connection {
-        sink: Arc::new(RdmaSink {
+    Ok((
+        RdmaSink {
             shared: Arc::clone(&shared),
-        }),
-        source: Box::new(RdmaSource {
+        },
+        RdmaSource {
             shared,
             spin: BusyPoll::new(cfg.busy_poll),
-        }),
-        peer: peer_addr,
-    })
+        },
+    ))
 }
 
 struct Driver {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
@@ -40,7 +40,7 @@ impl Drop for SlotGuard {
     }
 }
 
-pub(super) struct RdmaSink {
+pub(crate) struct RdmaSink {
     pub(super) shared: Arc<Shared>,
 }
 
@@ -83,16 +83,20 @@ impl Drop for CancelHeapOnUnwind<'_> {
     }
 }
 
-impl FrameSink for RdmaSink {
-    fn poll_send(
+impl RdmaSink {
+    /// Sends one frame of `len` bytes, which `encode` writes (exactly
+    /// `len` of them) straight into registered memory where the protocol
+    /// places it; `Pending` while there is no room. See
+    /// [`FrameSink::poll_send`].
+    pub(crate) fn poll_send_with(
         &self,
         cx: &mut Context<'_>,
-        frame: &OutFrame<'_>,
+        len: usize,
+        encode: impl FnOnce(&mut dyn BufMut),
     ) -> Poll<Result<(), TransportError>> {
         let shared = &*self.shared;
         let mem = &shared.mem;
         let mut st = shared.lock();
-        let len = frame.len();
         let reservation = match st.proto.handle_send(len) {
             SendDecision::Encode(reservation) => reservation,
             SendDecision::Wait => {
@@ -121,7 +125,7 @@ impl FrameSink for RdmaSink {
                 state: &mut st,
                 reservation,
             };
-            frame.encode(&mut dst);
+            encode(&mut dst);
             encoding.encoded();
             st.proto
                 .queue_frame(reservation, None)
@@ -136,7 +140,7 @@ impl FrameSink for RdmaSink {
                 reservation,
             };
             let mut data = Vec::with_capacity(len);
-            frame.encode(&mut data);
+            encode(&mut data);
             std::mem::forget(encoding);
             st = shared.lock();
             if let Err(refusal) = st.proto.queue_frame(reservation, Some(Bytes::from(data))) {
@@ -146,6 +150,27 @@ impl FrameSink for RdmaSink {
         }
         st.flush(mem);
         Poll::Ready(Ok(()))
+    }
+
+    /// The peer's address, `rdma://IP:PORT`.
+    pub(crate) fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    /// The longest frame that travels in one piece (one SEND, or one RDMA
+    /// WRITE encoded in place): a longer one is encoded on the heap first.
+    pub(crate) fn max_unchunked(&self) -> usize {
+        self.shared.lock().proto.max_unchunked()
+    }
+}
+
+impl FrameSink for RdmaSink {
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        frame: &OutFrame<'_>,
+    ) -> Poll<Result<(), TransportError>> {
+        self.poll_send_with(cx, frame.len(), |dst| frame.encode(dst))
     }
 
     fn close(&self) {
@@ -163,7 +188,7 @@ impl Drop for RdmaSink {
     }
 }
 
-pub(super) struct RdmaSource {
+pub(crate) struct RdmaSource {
     pub(super) shared: Arc<Shared>,
     pub(super) spin: BusyPoll,
 }

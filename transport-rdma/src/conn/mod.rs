@@ -28,7 +28,9 @@ mod io;
 mod setup;
 mod state;
 
-pub(crate) use driver::start;
+pub(crate) use driver::{start, start_halves};
+pub(crate) use io::{RdmaSink, RdmaSource};
+pub(crate) use setup::Established;
 pub(crate) use setup::{accept_blocking, connect_blocking};
 
 use rpc_core::transport::TransportError;

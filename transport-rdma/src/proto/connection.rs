@@ -586,6 +586,12 @@ impl Connection {
         SendDecision::Encode(Reservation { len: len32, place })
     }
 
+    /// The longest frame sent in one piece (inline, or one region chunk
+    /// encoded in place); longer ones are chunked from the heap.
+    pub fn max_unchunked(&self) -> usize {
+        self.inline_max.max(self.writer.max_chunk() as usize)
+    }
+
     /// The offset in staging (and in the peer's region) of stream position `pos`.
     pub fn staging_offset(&self, pos: u64) -> usize {
         self.writer.offset(pos)
