@@ -13,6 +13,8 @@ pub mod shard {
     rpc_core::include_proto!("shard");
 }
 
+pub mod tonic_rdma;
+
 /// Installs every transport this build has, so any address scheme works.
 pub fn install_transports() {
     transport_tcp::install();
