@@ -447,22 +447,25 @@ pub(crate) fn run_captured(
     Ok((output, code))
 }
 
-/// Builds the `transport-rdma` test executables on the host and runs their
-/// device tests (the `#[ignore]`d ones) in the guest: once with one device,
-/// once on two hosts joined by a wire. Fails if any fails.
+/// The packages whose test executables hold device tests: the transport's
+/// own, and the examples' (tonic over `RdmaStream`).
+const DEVICE_TEST_PACKAGES: &[&str] = &["transport-rdma", "examples"];
+
+/// Builds the test executables of [`DEVICE_TEST_PACKAGES`] on the host and
+/// runs their device tests (the `#[ignore]`d ones) in the guest: once with
+/// one device, once on two hosts joined by a wire. Fails if any fails.
 pub(crate) fn run_rdma_tests() -> Result<(), String> {
     crate::setup::ensure_debian_packages(RDMA_BUILD_PACKAGES)?;
     crate::setup::ensure_debian_packages(RXE_PACKAGES)?;
     let root = crate::workspace_root();
+    let mut args = vec!["test"];
+    for package in DEVICE_TEST_PACKAGES {
+        args.extend(["-p", package]);
+    }
+    args.extend(["--no-run", "--message-format=json"]);
     let out = command_output(
         Command::new(crate::env_cargo())
-            .args([
-                "test",
-                "-p",
-                "transport-rdma",
-                "--no-run",
-                "--message-format=json",
-            ])
+            .args(&args)
             .current_dir(&root),
     )?;
     let executables = test_executables(&out);
@@ -475,10 +478,10 @@ pub(crate) fn run_rdma_tests() -> Result<(), String> {
         }
     }
     if with_device_tests.is_empty() {
-        return Err(
-            "transport-rdma has no device tests (#[ignore]d tests): nothing ran in the guest"
-                .into(),
-        );
+        return Err(format!(
+            "{} have no device tests (#[ignore]d tests): nothing ran in the guest",
+            DEVICE_TEST_PACKAGES.join(", ")
+        ));
     }
     let mut command = vec![
         "sh".to_string(),
