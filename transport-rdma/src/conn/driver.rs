@@ -131,7 +131,12 @@ fn repost_released(shared: &Shared) {
 /// released slots; ends when the connection failed or both halves are
 /// dropped and everything was sent.
 async fn drive(shared: Arc<Shared>, mut d: Driver) {
+    // Once both halves are dropped, what was sent still goes out (and our
+    // `Close` after it) while the peer takes it; a peer that takes nothing
+    // for `LINGER` is given up on.
+    const LINGER: Duration = Duration::from_secs(5);
     let mut linger_since: Option<Instant> = None;
+    let mut unsent = (0, 0);
     loop {
         drain_cq(&shared);
         repost_released(&shared);
@@ -142,8 +147,12 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
             if st.handles == 0 {
                 let done = st.proto.is_drained();
+                let now = (st.proto.queued(), st.proto.in_flight());
+                if std::mem::replace(&mut unsent, now) != now {
+                    linger_since = None;
+                }
                 let since = *linger_since.get_or_insert_with(Instant::now);
-                if done || since.elapsed() > Duration::from_secs(5) {
+                if done || since.elapsed() > LINGER {
                     break;
                 }
             }

@@ -525,15 +525,13 @@ impl Connection {
         self.lifecycle == Lifecycle::Disconnected
     }
 
-    /// Whether everything is sent after a close (ours posted, or the
-    /// peer's received) and no work request is in flight: once the
-    /// application let go, the driver may stop.
+    /// Whether everything is sent, our `Close` last, and no work request
+    /// is in flight: once the application let go, the driver may stop (and
+    /// disconnect: a peer that has not received our `Close` by then reads
+    /// the disconnect as a failure, so it must have been posted, whether
+    /// or not the peer closed first).
     pub fn is_drained(&self) -> bool {
-        let closed = matches!(
-            self.lifecycle,
-            Lifecycle::Closing(OwnClose::Sent) | Lifecycle::PeerClosed(_)
-        );
-        closed && self.queue.is_empty() && self.in_flight == 0
+        self.own_close() == OwnClose::Sent && self.queue.is_empty() && self.in_flight == 0
     }
 
     // ---- sending ----
@@ -814,6 +812,8 @@ impl Connection {
         }
         if kind != WorkKind::Recv {
             self.in_flight = self.in_flight.saturating_sub(1);
+            // Whoever waits for everything to be sent sees it.
+            self.wake.senders |= self.in_flight == 0;
         }
         if matches!(self.lifecycle, Lifecycle::Failed(_)) {
             return;
@@ -1241,6 +1241,43 @@ mod tests {
         complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
         let failure = conn.failure().expect("a second WRITE completion was taken");
         assert!(failure.contains("not posted"), "{failure}");
+    }
+
+    #[test]
+    fn after_the_peers_close_our_own_close_must_go_before_the_connection_is_drained() {
+        let mut conn = connection();
+        let mut close = [0; HEADER_LEN];
+        Header::new(Kind::Close).encode(&mut close);
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &close);
+        assert_eq!(conn.lifecycle(), &Lifecycle::PeerClosed(OwnClose::No));
+        // Half-closed by the peer, we still send, then close.
+        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+            panic!("a half-closed peer refused a frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        conn.close();
+        assert!(
+            !conn.is_drained(),
+            "drained with a frame and our Close not yet posted"
+        );
+        let mut posted = Vec::new();
+        while let Some(t) = conn.poll_transmit() {
+            posted.push(t);
+        }
+        assert!(!conn.is_drained(), "drained with sends in flight");
+        let mut kinds = Vec::new();
+        for t in posted {
+            if let Transmit::Send {
+                kind, slot, header, ..
+            } = t
+            {
+                kinds.push(header.kind);
+                complete(&mut conn, kind.wr_id(slot), &[]);
+            }
+        }
+        assert_eq!(kinds, [Kind::Inline, Kind::Close]);
+        assert_eq!(conn.failure(), None);
+        assert!(conn.is_drained(), "{}", conn.summary());
     }
 
     #[test]
