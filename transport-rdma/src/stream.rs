@@ -46,9 +46,14 @@
 //!
 //! # Ends
 //! [`shutdown`](tokio::io::AsyncWriteExt::shutdown) half-closes: the peer
-//! reads EOF after the last byte, and may still write back. Dropping a
-//! stream closes both directions the same way once what was written is
-//! sent. A peer whose process dies, or whose device or port fails, ends
+//! reads EOF after the last byte, and may still write back; it returns
+//! once the peer's device has received everything (it waits while the
+//! peer does not read). Dropping a stream closes both directions the same
+//! way, in the background: what was written still goes out while the
+//! runtime runs and the peer reads (it is given up on after 5 s without
+//! progress). A program that drops its runtime right after writing
+//! (a `#[tokio::main]` returning) shuts its streams down first: unlike a
+//! socket's kernel buffer, nothing sends them once the runtime is gone. A peer whose process dies, or whose device or port fails, ends
 //! reads and writes with `ConnectionReset` naming the cause (the connection
 //! manager reports the disconnect); a peer host that vanishes while the
 //! stream is idle is noticed only when a write's retries run out, as with
@@ -260,19 +265,23 @@ impl AsyncWrite for RdmaWriteHalf {
         true
     }
 
-    /// Every write is posted (or queued for the peer's credits) when it
-    /// returns: there is nothing to flush.
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
+    /// Ready once every write is posted to the device (a write waiting
+    /// for the peer's credits is not yet).
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.sink.poll_sent(cx, false).map_err(to_io_error)
     }
 
-    /// Half-closes: the peer reads EOF after what was written.
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    /// Half-closes: the peer reads EOF after what was written. Ready once
+    /// the peer's device has received every byte and the end, so a
+    /// program may exit (or drop its runtime) right after.
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        use rpc_core::transport::FrameSink;
-        this.sink.close();
-        this.shut_down = true;
-        Poll::Ready(Ok(()))
+        if !this.shut_down {
+            use rpc_core::transport::FrameSink;
+            this.sink.close();
+            this.shut_down = true;
+        }
+        this.sink.poll_sent(cx, true).map_err(to_io_error)
     }
 }
 

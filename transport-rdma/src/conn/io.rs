@@ -152,6 +152,38 @@ impl RdmaSink {
         Poll::Ready(Ok(()))
     }
 
+    /// Ready once every frame accepted so far is posted to the device
+    /// (`closed`: and our `Close` after them, every request completed:
+    /// the peer's device has it all). Fails if the connection failed, or
+    /// went down with frames unsent.
+    pub(crate) fn poll_sent(
+        &self,
+        cx: &mut Context<'_>,
+        closed: bool,
+    ) -> Poll<Result<(), TransportError>> {
+        let mut st = self.shared.lock();
+        if let Some(reason) = st.proto.failure() {
+            return Poll::Ready(Err(connection_error(reason)));
+        }
+        let done = if closed {
+            st.proto.is_drained()
+        } else {
+            st.proto.queued() == 0
+        };
+        if done {
+            return Poll::Ready(Ok(()));
+        }
+        if st.proto.is_disconnected() {
+            return Poll::Ready(if st.proto.queued() == 0 {
+                Ok(())
+            } else {
+                Err(TransportError::Closed)
+            });
+        }
+        st.wait_send(cx);
+        Poll::Pending
+    }
+
     /// The peer's address, `rdma://IP:PORT`.
     pub(crate) fn peer(&self) -> &str {
         &self.shared.peer
