@@ -524,12 +524,24 @@ pub(crate) fn run_rdma_tests() -> Result<(), String> {
     }
 }
 
-/// The test executables in `cargo test --no-run --message-format=json`.
+/// The test executables in `cargo test --no-run --message-format=json`:
+/// artifacts built with the test profile (`"profile":{..,"test":true}`).
+/// The target's own `"test":true` only says it has tests: a package's
+/// programs, built for its integration tests, carry it too.
 fn test_executables(json_lines: &str) -> Vec<PathBuf> {
     const KEY: &str = "\"executable\":\"";
+    const PROFILE: &str = "\"profile\":{";
+    let test_profile = |l: &str| {
+        let Some(start) = l.find(PROFILE) else {
+            return false;
+        };
+        let profile = &l[start..];
+        // The profile object holds no nested object: it ends at its first `}`.
+        profile[..profile.find('}').unwrap_or(profile.len())].contains("\"test\":true")
+    };
     json_lines
         .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"test\":true"))
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && test_profile(l))
         .filter_map(|l| {
             let start = l.find(KEY)? + KEY.len();
             let end = l[start..].find('"')? + start;
@@ -588,10 +600,15 @@ mod tests {
     fn finds_test_executables() {
         let json = r#"{"reason":"compiler-artifact","profile":{"test":true},"executable":"/t/deps/verbs_smoke-1"}
 {"reason":"compiler-artifact","profile":{"test":false},"executable":null}
+{"reason":"compiler-artifact","target":{"kind":["bin"],"test":true},"profile":{"debug_assertions":true,"test":false},"executable":"/t/greeter-server"}
+{"reason":"compiler-artifact","target":{"kind":["bin"],"test":true},"profile":{"debug_assertions":true,"test":true},"executable":"/t/deps/greeter_server-2"}
 {"reason":"build-finished","success":true}"#;
         assert_eq!(
             test_executables(json),
-            [PathBuf::from("/t/deps/verbs_smoke-1")]
+            [
+                PathBuf::from("/t/deps/verbs_smoke-1"),
+                PathBuf::from("/t/deps/greeter_server-2")
+            ]
         );
         assert!(rxe_dir().ends_with("rxe"));
     }
