@@ -35,9 +35,14 @@
 //! goes by SEND into a receive slot; a larger one by RDMA WRITE into the
 //! peer's region, at most half the region per write (a longer write is
 //! taken in part, as a socket does: `write_all` loops). Vectored writes
-//! are gathered into one message (hyper writes that way). A write returns
-//! `Pending` while the peer has granted no room, so a slow reader holds
-//! back a fast writer; nothing is buffered without bound.
+//! are gathered into one message (hyper writes that way). Small writes
+//! are coalesced only when they could not go at once anyway: while the
+//! peer has granted no credit, each one is appended to the message
+//! already waiting, up to a slot, so a stream of tiny writes costs a
+//! message per slot, not per write, and an idle stream's write leaves at
+//! once (no Nagle delay). A write returns `Pending` while the peer has
+//! granted no room, so a slow reader holds back a fast writer; nothing is
+//! buffered without bound.
 //!
 //! Reads hand out received messages: [`RdmaStream::recv_bytes`] returns
 //! each as [`Bytes`] without copying (pointing into its receive slot, which
@@ -227,7 +232,7 @@ impl RdmaWriteHalf {
         if len == 0 {
             return Poll::Ready(Ok(0));
         }
-        let sent = self.sink.poll_send_with(cx, len, |dst| {
+        let sent = self.sink.poll_send_with(cx, len, true, |dst| {
             let mut left = len;
             for b in bufs {
                 let n = b.len().min(left);

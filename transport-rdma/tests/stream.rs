@@ -252,6 +252,48 @@ async fn handed_out_as_they_arrived(env: &TestEnv) {
     assert_eq!(server.recv_bytes().await.unwrap(), None);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn tiny_writes_to_a_reader_that_lags_are_coalesced() {
+    const WRITES: usize = 50_000;
+    let env = TestEnv::from_env();
+    let (client, mut server) = pair(&env).await;
+    let (written, go) = tokio::sync::oneshot::channel();
+    let writer = tokio::spawn(async move {
+        let (_r, mut w) = client.into_split();
+        for i in 0..WRITES {
+            w.write_all(&(i as u32).to_le_bytes()).await.unwrap();
+        }
+        // 200 KB: all taken (queued in send slots) before the reader starts.
+        written.send(()).unwrap();
+        w.shutdown().await.unwrap();
+    });
+    tokio::time::timeout(STEP, go)
+        .await
+        .expect("the writer waited for the reader: not coalesced")
+        .unwrap();
+    let mut bytes = Vec::new();
+    let mut messages = 0;
+    while let Some(message) = tokio::time::timeout(STEP, server.recv_bytes())
+        .await
+        .expect("read hung")
+        .unwrap()
+    {
+        messages += 1;
+        bytes.extend_from_slice(&message);
+    }
+    writer.await.unwrap();
+    assert_eq!(bytes.len(), 4 * WRITES);
+    for (i, word) in bytes.chunks(4).enumerate() {
+        assert_eq!(word, (i as u32).to_le_bytes(), "write {i}");
+    }
+    eprintln!("{WRITES} writes of 4 bytes arrived in {messages} messages");
+    assert!(
+        messages < WRITES / 100,
+        "{messages} messages for {WRITES} writes"
+    );
+}
+
 /// Child: connects to `RDMA_STREAM_CHILD` and writes until killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]

@@ -88,15 +88,34 @@ impl RdmaSink {
     /// `len` of them) straight into registered memory where the protocol
     /// places it; `Pending` while there is no room. See
     /// [`FrameSink::poll_send`].
+    ///
+    /// `coalesce` (a byte stream's bytes, not frames): bytes that would
+    /// wait for the peer's credits anyway are appended to the frame
+    /// already waiting, if it has room ([`proto::Connection::append_inline`]).
+    ///
+    /// [`proto::Connection::append_inline`]: crate::proto::Connection::append_inline
     pub(crate) fn poll_send_with(
         &self,
         cx: &mut Context<'_>,
         len: usize,
+        coalesce: bool,
         encode: impl FnOnce(&mut dyn BufMut),
     ) -> Poll<Result<(), TransportError>> {
         let shared = &*self.shared;
         let mem = &shared.mem;
         let mut st = shared.lock();
+        if let Some((slot, at)) = coalesce.then(|| st.proto.append_inline(len)).flatten() {
+            let start = mem.send_slot(slot).start + HEADER_LEN + at;
+            // SAFETY: the slot holds a frame queued and not posted (the
+            // protocol appends only to such a one), so no work request
+            // reads it and nothing else writes it while we hold the lock;
+            // `at + len` fits the slot after the header (at most inline_max).
+            let mut dst = unsafe { mem.send.slice_mut(start..start + len) };
+            // A panic here would send the slot's stale bytes: only the
+            // stream's plain copies use this path, and they do not panic.
+            encode(&mut dst);
+            return Poll::Ready(Ok(()));
+        }
         let reservation = match st.proto.handle_send(len) {
             SendDecision::Encode(reservation) => reservation,
             SendDecision::Wait => {
@@ -202,7 +221,7 @@ impl FrameSink for RdmaSink {
         cx: &mut Context<'_>,
         frame: &OutFrame<'_>,
     ) -> Poll<Result<(), TransportError>> {
-        self.poll_send_with(cx, frame.len(), |dst| frame.encode(dst))
+        self.poll_send_with(cx, frame.len(), false, |dst| frame.encode(dst))
     }
 
     fn close(&self) {

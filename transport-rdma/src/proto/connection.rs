@@ -590,6 +590,28 @@ impl Connection {
         self.inline_max.max(self.writer.max_chunk() as usize)
     }
 
+    /// For a byte stream, whose message boundaries mean nothing: appends
+    /// `len` bytes to the newest queued frame if it waits unsent (for the
+    /// peer's credits) in a send slot with room for them. Returns the slot
+    /// and the offset after the header where the bytes go; the caller
+    /// writes them before it lets go of this connection. `None`: send
+    /// them as a frame of their own.
+    pub fn append_inline(&mut self, len: usize) -> Option<(u32, usize)> {
+        if !self.may_send() {
+            return None;
+        }
+        match self.queue.back_mut() {
+            Some(Out::Inline { slot, len: queued })
+                if *queued as usize + len <= self.inline_max =>
+            {
+                let at = *queued as usize;
+                *queued += len as u32;
+                Some((*slot, at))
+            }
+            _ => None,
+        }
+    }
+
     /// The offset in staging (and in the peer's region) of stream position `pos`.
     pub fn staging_offset(&self, pos: u64) -> usize {
         self.writer.offset(pos)
@@ -1278,6 +1300,58 @@ mod tests {
         assert_eq!(kinds, [Kind::Inline, Kind::Close]);
         assert_eq!(conn.failure(), None);
         assert!(conn.is_drained(), "{}", conn.summary());
+    }
+
+    #[test]
+    fn bytes_appended_while_credits_are_out_go_in_one_message() {
+        /// Sends 4-byte frames until one has to wait for a credit (one is
+        /// kept for control messages); returns how many went.
+        fn use_up_credits(conn: &mut Connection) -> usize {
+            let mut sent = 0;
+            while conn.queued() == 0 {
+                let SendDecision::Encode(r) = conn.handle_send(4) else {
+                    panic!("no room for an inline frame")
+                };
+                conn.queue_frame(r, None).unwrap();
+                while let Some(t) = conn.poll_transmit() {
+                    sent += usize::from(matches!(t, Transmit::Send { .. }));
+                }
+            }
+            sent
+        }
+        let mut conn = connection();
+        // Nothing queued: nothing to append to.
+        assert_eq!(conn.append_inline(4), None);
+        let sent = use_up_credits(&mut conn);
+        assert_eq!(conn.queued(), 1, "one frame waits for a credit");
+        // Appends fill it up to a slot, then stop.
+        let mut total = 4;
+        while let Some((_, at)) = conn.append_inline(10) {
+            assert_eq!(at, total, "appended after what is there");
+            total += 10;
+        }
+        assert!(total <= 96 - HEADER_LEN && total + 10 > 96 - HEADER_LEN);
+        assert_eq!(conn.queued(), 1);
+        // A credit comes back: one SEND carries it all.
+        let mut credit = Header::new(Kind::Credit);
+        credit.credits = 1;
+        let mut bytes = [0; HEADER_LEN];
+        credit.encode(&mut bytes);
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &bytes);
+        let lens: Vec<_> = std::iter::from_fn(|| conn.poll_transmit())
+            .filter_map(|t| match t {
+                Transmit::Send { header, .. } if header.kind == Kind::Inline => Some(header.len),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(lens, [total as u32], "after {sent} single sends");
+        // A posted frame takes no appends.
+        assert_eq!(conn.append_inline(1), None);
+        // Nor does a side that closed (its Close follows what is queued).
+        let mut closed = connection();
+        use_up_credits(&mut closed);
+        closed.close();
+        assert_eq!(closed.append_inline(1), None);
     }
 
     #[test]
