@@ -153,6 +153,7 @@ pub struct RdmaTransport {
     max_peer_region_len: u32,
     connect_timeout: Duration,
     busy_poll: Option<Duration>,
+    stream_keepalive: Option<Duration>,
 }
 
 impl Default for RdmaTransport {
@@ -167,6 +168,7 @@ impl Default for RdmaTransport {
             max_peer_region_len: 16 << 20,
             connect_timeout: Duration::from_secs(10),
             busy_poll: None,
+            stream_keepalive: Some(Duration::from_secs(10)),
         }
     }
 }

@@ -60,14 +60,16 @@
 //! (a `#[tokio::main]` returning) shuts its streams down first: unlike a
 //! socket's kernel buffer, nothing sends them once the runtime is gone. A peer whose process dies, or whose device or port fails, ends
 //! reads and writes with `ConnectionReset` naming the cause (the connection
-//! manager reports the disconnect); a peer host that vanishes while the
-//! stream is idle is noticed only when a write's retries run out, as with
-//! a TCP socket without keepalive.
+//! manager reports the disconnect); a peer host that vanishes or whose
+//! link is cut is noticed by the stream's keepalive
+//! ([`RdmaTransport::stream_keepalive`], 10 s by default) when the
+//! device's retries of its probe run out.
 
 use std::fmt;
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rpc_core::transport::{FrameLimits, FrameSource, TransportError};
@@ -114,7 +116,7 @@ impl RdmaStream {
         let limits = FrameLimits {
             max_frame_len: cfg.region_len.max(cfg.slot_size) as usize,
         };
-        let (sink, source) = conn::start_halves(est, limits, cfg)?;
+        let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive)?;
         Ok(RdmaStream {
             read: RdmaReadHalf {
                 source,
@@ -405,6 +407,18 @@ impl fmt::Debug for RdmaListener {
 }
 
 impl RdmaTransport {
+    /// Keepalive of byte streams (default: 10 s): after this long with
+    /// nothing received or completed, the stream sends the peer a small
+    /// control message; if the peer is gone (host down, link cut: nothing
+    /// else would tell), its retries run out and reads and writes fail
+    /// with `ConnectionReset`. `None`: an idle stream to a vanished peer
+    /// waits forever, like a socket without keepalive. (RPC connections
+    /// have rpc-core's own keepalive instead.)
+    pub fn stream_keepalive(mut self, period: Option<Duration>) -> RdmaTransport {
+        self.stream_keepalive = period;
+        self
+    }
+
     /// Connects a byte stream to `addr` (`rdma://IP:PORT` or `IP:PORT`)
     /// with these settings.
     pub async fn connect_stream(&self, addr: &str) -> io::Result<RdmaStream> {

@@ -20,6 +20,12 @@
 //!   down longer than that bound, so the server cannot learn of the failure
 //!   from a disconnect after the link comes back. With one host the same
 //!   client and server run in one process (both fail on the port error).
+//! - `a_wire_cut_fails_an_idle_stream_at_both_ends`: the same cut under
+//!   an idle `RdmaStream` (1 s stream keepalive): the client's stream fails
+//!   on the port error, the server's when its keepalive probe goes
+//!   unacknowledged (observed ~3 s after the last exchange). rxe's own RC
+//!   retries never ended here: without the keepalive an idle stream waited
+//!   past 60 s.
 //!
 //! Observed (Soft-RoCE, Linux 6.1 guest): the calls fail 0.2-0.7 s after
 //! `ip link set down` returns, counted from just before it (the event is
@@ -59,8 +65,10 @@ use common::{Role, TestEnv};
 use rpc_core::codegen::{self, BoxFuture, ServerCall, Service};
 use rpc_core::{BytesCodec, Client, Code, Endpoint, Request, Response, Server, Status};
 use support::{count_request, Probes, TestService};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use transport_rdma::RdmaTransport;
 
 /// Calls in flight when the link goes down (besides one endless stream).
 const CALLS: usize = 20;
@@ -680,6 +688,116 @@ fn a_wire_cut_mid_call_fails_both_ends() {
     // The server of a two-host run keeps its link up.
     let mut restore = (env.role != Role::Server).then(|| DeviceRestore::new(&env));
     run_child("child_wire_cut");
+    if let Some(restore) = &mut restore {
+        restore.now().unwrap();
+        run_child("child_fresh_connection");
+    }
+}
+
+/// The server of the two-host stream test.
+const STREAM_WIRE_PORT: u16 = 7503;
+
+/// The server side of the stream wire cut: an idle stream whose client's
+/// link is cut must fail by itself, through the stream's keepalive.
+async fn stream_wire_server(address: &str) {
+    let cfg = RdmaTransport::default().stream_keepalive(Some(KEEPALIVE));
+    let mut listener = cfg.bind_stream(address).await.expect("listens");
+    let (mut stream, _) = tokio::time::timeout(Duration::from_secs(180), listener.accept())
+        .await
+        .expect("the client never came")
+        .expect("accepts");
+    let mut ready = [0; 5];
+    stream.read_exact(&mut ready).await.expect("reads ready");
+    stream.write_all(b"go").await.expect("writes go");
+    // The client cuts its link once it reads "go"; nothing else is sent.
+    let idle = Instant::now();
+    let err = tokio::time::timeout(SERVER_NOTICES_WITHIN, stream.read(&mut [0; 16]))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the server's idle stream still waited {SERVER_NOTICES_WITHIN:?} after the \
+                 client's link was cut (keepalive {KEEPALIVE:?})"
+            )
+        })
+        .expect_err("an idle stream to a cut client read data or EOF");
+    eprintln!(
+        "server: the idle stream failed {:?} after go: {err}",
+        idle.elapsed()
+    );
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+}
+
+/// The client side: says ready, reads go, cuts its own link; its own
+/// stream fails on the port error.
+async fn stream_wire_client(env: &TestEnv, address: &str) {
+    let mut link = LinkCut::new(env);
+    let cfg = RdmaTransport::default().stream_keepalive(Some(KEEPALIVE));
+    let started = Instant::now();
+    let mut stream = loop {
+        match cfg.connect_stream(address).await {
+            Ok(stream) => break stream,
+            Err(e) if started.elapsed() < Duration::from_secs(180) => {
+                eprintln!("connecting to {address}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("connecting to {address}: {e}"),
+        }
+    };
+    stream.write_all(b"ready").await.expect("writes ready");
+    let mut go = [0; 2];
+    stream.read_exact(&mut go).await.expect("reads go");
+    let cut = Instant::now();
+    link.down();
+    let err = tokio::time::timeout(FAIL_WITHIN, stream.read(&mut [0; 16]))
+        .await
+        .expect("the client's stream outlived its link")
+        .expect_err("a stream over a downed link read data or EOF");
+    eprintln!(
+        "client: its stream failed {:?} after the cut: {err}",
+        cut.elapsed()
+    );
+    tokio::time::sleep(LINK_DOWN_FOR.saturating_sub(cut.elapsed())).await;
+    link.up().unwrap();
+}
+
+/// Child: the stream wire cut, as this host's role says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn child_stream_wire_cut() {
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "the child half of a test: its parent runs it"
+    );
+    init_tracing();
+    let env = TestEnv::from_env();
+    match env.role {
+        Role::Server => stream_wire_server(&format!("rdma://{}:{STREAM_WIRE_PORT}", env.ip)).await,
+        Role::Client => {
+            let peer = env.peer.expect("checked in from_env");
+            stream_wire_client(&env, &format!("rdma://{peer}:{STREAM_WIRE_PORT}")).await;
+        }
+        Role::Both => {
+            let address = format!("rdma://{}:{STREAM_WIRE_PORT}", env.ip);
+            let server = tokio::spawn({
+                let address = address.clone();
+                async move { stream_wire_server(&address).await }
+            });
+            stream_wire_client(&env, &address).await;
+            server.await.expect("the server side");
+        }
+    }
+}
+
+/// An idle `RdmaStream` whose peer's link is cut (two hosts: the client
+/// guest cuts its own) fails at both ends: the client's on the port error,
+/// the server's (whose port stays up, and who hears nothing more) through
+/// its keepalive's probe running out of retries.
+#[test]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+fn a_wire_cut_fails_an_idle_stream_at_both_ends() {
+    let env = TestEnv::from_env();
+    let mut restore = (env.role != Role::Server).then(|| DeviceRestore::new(&env));
+    run_child("child_stream_wire_cut");
     if let Some(restore) = &mut restore {
         restore.now().unwrap();
         run_child("child_fresh_connection");

@@ -51,7 +51,8 @@ pub(crate) fn start(
     limits: FrameLimits,
     cfg: &RdmaTransport,
 ) -> Result<Connection, TransportError> {
-    let (sink, source) = start_halves(est, limits, cfg)?;
+    // rpc-core pings its connections itself.
+    let (sink, source) = start_halves(est, limits, cfg, None)?;
     let peer = sink.shared.peer.clone();
     Ok(Connection {
         sink: Arc::new(sink),
@@ -60,11 +61,17 @@ pub(crate) fn start(
     })
 }
 
-/// [`start`], with the halves as they are (for the byte stream).
+/// [`start`], with the halves as they are (for the byte stream), and a
+/// keepalive: after `keepalive` with no completion the peer is sent a
+/// control message ([`proto::Connection::probe`]), so a vanished peer
+/// fails the connection when its retries run out.
+///
+/// [`proto::Connection::probe`]: crate::proto::Connection::probe
 pub(crate) fn start_halves(
     est: Established,
     limits: FrameLimits,
     cfg: &RdmaTransport,
+    keepalive: Option<Duration>,
 ) -> Result<(RdmaSink, RdmaSource), TransportError> {
     let placement = est
         .placement()
@@ -88,6 +95,7 @@ pub(crate) fn start_halves(
         Driver {
             cq_fd,
             cm_fd,
+            keepalive,
             _device_watch: device_watch,
         },
     ));
@@ -105,6 +113,7 @@ pub(crate) fn start_halves(
 struct Driver {
     cq_fd: AsyncFd<CqFd>,
     cm_fd: AsyncFd<CmFd>,
+    keepalive: Option<Duration>,
     /// Keeps the device's async-event watcher running while the driver does.
     _device_watch: device_events::WatchLease,
 }
@@ -137,6 +146,14 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     const LINGER: Duration = Duration::from_secs(5);
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
+    let mut keepalive = d.keepalive.map(|period| {
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks
+    });
+    let mut seen_at_tick = 0;
+    // A probe was posted at the last tick and nothing completed since.
+    let mut probe_unanswered = false;
     loop {
         drain_cq(&shared);
         repost_released(&shared);
@@ -207,6 +224,27 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
             () = shared.wake_task.notified() => {}
             () = linger => {}
+            _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
+                let mut st = shared.lock();
+                let period = d.keepalive.unwrap_or_default();
+                if std::mem::replace(&mut seen_at_tick, st.completions) != st.completions {
+                    probe_unanswered = false;
+                } else if probe_unanswered {
+                    // A live peer's device acknowledges at once.
+                    st.fail(format!(
+                        "{}: the peer's device did not acknowledge a keepalive probe within {period:?} (peer host down or link cut?)",
+                        shared.peer
+                    ));
+                } else {
+                    // Nothing completed for a whole period: ask the peer's
+                    // device. (Not if the probe must wait for a credit: a
+                    // peer that grants none is alive, only slow to read.)
+                    tracing::debug!("{}: nothing completed for {period:?}: keepalive probe", shared.peer);
+                    st.proto.probe();
+                    st.flush(&shared.mem);
+                    probe_unanswered = !st.proto.probe_pending();
+                }
+            }
         }
     }
     let _ = d.cm_fd.get_mut().0.disconnect();

@@ -229,6 +229,7 @@ impl Established {
             recv_waker: None,
             max_frame_len: limits.max_frame_len,
             handles: 2,
+            completions: 0,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),

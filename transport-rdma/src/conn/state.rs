@@ -58,6 +58,9 @@ pub(super) struct State {
     pub(super) recv_waker: Option<Waker>,
     pub(super) max_frame_len: usize,
     pub(super) handles: u32,
+    /// Completions handled so far (whoever polled): the keepalive's sign
+    /// of life.
+    pub(super) completions: u64,
 }
 
 pub(super) struct Shared {
@@ -218,6 +221,7 @@ impl State {
                 }
             };
             total += n;
+            self.completions += n as u64;
             for wc in &batch[..n] {
                 self.on_completion(mem, wc);
             }

@@ -386,6 +386,9 @@ pub struct Connection {
     reassembly: Reassembly,
     prefix_len: usize,
     arrived: VecDeque<Arrived>,
+    /// A control message is wanted even with nothing to report (a
+    /// keepalive: see [`probe`](Self::probe)).
+    probe: bool,
     // both
     lifecycle: Lifecycle,
     transmit: VecDeque<Transmit>,
@@ -421,6 +424,7 @@ impl Connection {
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
             prefix_len: cfg.prefix_len,
             arrived: VecDeque::new(),
+            probe: false,
             lifecycle: Lifecycle::Open,
             transmit: VecDeque::new(),
             wake: Wakeups::default(),
@@ -518,6 +522,23 @@ impl Connection {
             Lifecycle::Disconnected | Lifecycle::Failed(_) => {}
             Lifecycle::Open | Lifecycle::Closing(_) => self.fail(event),
         }
+    }
+
+    /// Sends the peer a `Credit` message at the next chance, even with
+    /// nothing to return: a keepalive for an idle connection, whose peer
+    /// may have vanished without a word (host down, link cut). A live
+    /// peer's device acknowledges it (its SEND completes) whatever its
+    /// application does; the verbs layer fails the connection when none
+    /// comes (the device's own retries may never end: a queue pair's ACK
+    /// timeout can be infinite).
+    pub fn probe(&mut self) {
+        self.probe = true;
+    }
+
+    /// Whether a [`probe`](Self::probe) waits to be sent (for a control
+    /// credit).
+    pub fn probe_pending(&self) -> bool {
+        self.probe
     }
 
     /// Whether the peer closed in order and the connection then went down.
@@ -776,7 +797,7 @@ impl Connection {
         if let Some(&slot) = self.free_ctrl.last() {
             let kind = if self.own_close() == OwnClose::Requested && self.queue.is_empty() {
                 Some(Kind::Close)
-            } else if self.ring.wants_credit_message() || self.reader.wants_report() {
+            } else if self.ring.wants_credit_message() || self.reader.wants_report() || self.probe {
                 Some(Kind::Credit)
             } else {
                 None
@@ -787,6 +808,8 @@ impl Connection {
                     if kind == Kind::Close {
                         self.set_own_close(OwnClose::Sent);
                     }
+                    // Any control message answers a probe.
+                    self.probe = false;
                     self.push_send(WorkKind::Control, slot, Header::new(kind), 0);
                 }
             }
@@ -1352,6 +1375,21 @@ mod tests {
         use_up_credits(&mut closed);
         closed.close();
         assert_eq!(closed.append_inline(1), None);
+    }
+
+    #[test]
+    fn a_probe_sends_one_control_message() {
+        let mut conn = connection();
+        assert!(
+            conn.poll_transmit().is_none(),
+            "an idle connection sends nothing"
+        );
+        conn.probe();
+        let Some(Transmit::Send { kind, header, .. }) = conn.poll_transmit() else {
+            panic!("the probe sent nothing")
+        };
+        assert_eq!((kind, header.kind), (WorkKind::Control, Kind::Credit));
+        assert!(conn.poll_transmit().is_none(), "one message per probe");
     }
 
     #[test]
