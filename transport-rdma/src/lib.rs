@@ -31,6 +31,11 @@
 //! ));
 //! ```
 //!
+//! Code that speaks TCP today runs over RDMA unchanged with
+//! [`RdmaStream`] and [`RdmaListener`]: a tokio `AsyncRead + AsyncWrite`
+//! byte stream over the same rings, credits and region (tonic, hyper and
+//! `tokio::io::copy` included; see the [`stream`] module).
+//!
 //! # Features
 //! - **Set-up** with librdmacm: `rdma_resolve_addr/route`, `rdma_connect`,
 //!   `rdma_listen`/`rdma_accept`. The peers exchange a 32-byte hello in the
@@ -108,7 +113,7 @@ mod conn;
 mod device_events;
 pub mod proto;
 mod registry;
-mod stream;
+pub mod stream;
 pub mod verbs;
 
 pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
