@@ -389,12 +389,19 @@ impl RdmaListener {
 }
 
 /// The listener as a stream of accepted connections (for
-/// `tonic::transport::Server::serve_with_incoming` and the like).
+/// `tonic::transport::Server::serve_with_incoming` and the like). A
+/// listener that fails yields its error once, then ends (a consumer that
+/// polls past errors, as tonic does, stops rather than spins).
 impl futures_core::Stream for RdmaListener {
     type Item = io::Result<RdmaStream>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut().poll_accept(cx).map(Some)
+        match ready!(self.get_mut().accepting.poll_accept(cx)) {
+            Ok(stream) => Poll::Ready(Some(Ok(stream))),
+            // The accept loop ended (after its error, if it had one).
+            Err(TransportError::Closed) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(to_io_error(e)))),
+        }
     }
 }
 
