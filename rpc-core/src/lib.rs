@@ -47,7 +47,8 @@
 //!   call's future cancels its handler; per-call [`MetadataMap`]; gRPC's
 //!   [`Code`]s.
 //! - Per-stream flow control: a slow reader holds back a fast writer.
-//! - A maximum message size (64 MiB by default): larger messages fail with
+//! - A maximum message size ([`DEFAULT_MAX_MESSAGE_SIZE`], 64 MiB + 64 KiB by
+//!   default: a 64 MiB tensor field fits): larger messages fail with
 //!   `ResourceExhausted` and the connection stays usable.
 //! - Reconnection with backoff; graceful server shutdown that drains calls.
 //! - For fan-out to many servers: [`Channel::balance`] over replicas

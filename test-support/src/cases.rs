@@ -388,6 +388,87 @@ pub async fn oversized_messages_fail_with_resource_exhausted_and_the_connection_
     server.stop().await;
 }
 
+/// A tensor message as a parameter server sends one, encoded as protobuf:
+/// `name` (field 1), `shape` (field 2, packed) and `data` (field 3, `bytes`)
+/// holding `data_len` bytes.
+fn encoded_tensor(name: &str, shape: &[u64], data_len: usize) -> Bytes {
+    fn varint(out: &mut Vec<u8>, mut value: u64) {
+        while value >= 0x80 {
+            out.push(value as u8 | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+    let mut shape_field = Vec::new();
+    for &dim in shape {
+        varint(&mut shape_field, dim);
+    }
+    let mut message = Vec::with_capacity(data_len + 64 + name.len() + shape_field.len());
+    message.push(1 << 3 | 2);
+    varint(&mut message, name.len() as u64);
+    message.extend_from_slice(name.as_bytes());
+    message.push(2 << 3 | 2);
+    varint(&mut message, shape_field.len() as u64);
+    message.extend_from_slice(&shape_field);
+    message.push(3 << 3 | 2);
+    varint(&mut message, data_len as u64);
+    message.extend((0..data_len).map(|i| (i % 251) as u8));
+    Bytes::from(message)
+}
+
+pub async fn a_64_mib_tensor_fits_the_default_limit_and_a_larger_message_does_not(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    // A 64 MiB tensor field with its name and shape, both ways, with every default.
+    let tensor = encoded_tensor("layer.17.attention.weight", &[4096, 4096], 64 << 20);
+    assert!(tensor.len() > 64 << 20 && tensor.len() <= rpc_core::DEFAULT_MAX_MESSAGE_SIZE);
+    let reply = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(tensor.clone()))
+        .await
+        .expect("a 64 MiB tensor field fits the default maximum message size");
+    assert!(reply.into_inner() == tensor, "the tensor came back changed");
+    drop(tensor);
+    // A few KiB over the default: refused by the client before sending...
+    let over = Bytes::from(vec![0u8; rpc_core::DEFAULT_MAX_MESSAGE_SIZE + (4 << 10)]);
+    let status = client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(over.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    // ...and by a server with the default, from a client that allows more.
+    let lenient = Client::new(
+        Endpoint::new(&server.address)
+            .unwrap()
+            .max_message_size(rpc_core::DEFAULT_MAX_MESSAGE_SIZE + (1 << 20))
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let status = lenient
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(over))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+    assert!(
+        status.message().contains(&format!(
+            "maximum message size of {} bytes",
+            rpc_core::DEFAULT_MAX_MESSAGE_SIZE
+        )),
+        "{status}"
+    );
+    // Both connections carry on.
+    for client in [&client, &lenient] {
+        let reply = client
+            .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"ok")))
+            .await;
+        assert_eq!(reply.unwrap().into_inner(), "ok");
+    }
+    server.stop().await;
+}
+
 pub async fn slow_reader_holds_back_a_streaming_server(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let channel = Endpoint::new(&server.address)
@@ -867,6 +948,7 @@ macro_rules! for_each_case {
             unknown_service_and_method_are_unimplemented,
             panicking_handler_fails_only_its_call,
             oversized_messages_fail_with_resource_exhausted_and_the_connection_survives,
+            a_64_mib_tensor_fits_the_default_limit_and_a_larger_message_does_not,
             slow_reader_holds_back_a_streaming_server,
             slow_handler_holds_back_a_streaming_client,
             killed_server_fails_pending_calls_and_the_channel_reconnects,

@@ -10,8 +10,13 @@ use crate::intercept::{Interceptor, Scoped};
 use crate::keepalive::{Keepalive, DEFAULT_KEEPALIVE};
 use crate::transport::{self, FrameLimits, Transport, TransportError};
 
-/// Default largest message, either way: parameter-server tensors are large.
-pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
+/// Default largest message, either way: 64 MiB + 64 KiB.
+///
+/// Parameter-server tensors are large: the limit counts the encoded message,
+/// so a message whose `bytes` field holds a whole 64 MiB tensor (plus the
+/// field's tag and length) fits, with 64 KiB to spare for its name, shape and
+/// other small fields.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = (64 << 20) + (64 << 10);
 
 /// The largest message size the wire format can carry.
 pub const MAX_MESSAGE_SIZE_LIMIT: usize = u32::MAX as usize;

@@ -146,7 +146,8 @@ impl ServerBuilder {
         self
     }
 
-    /// Largest message received or sent (default 64 MiB, at most 4 GiB - 1).
+    /// Largest message received or sent (default [`DEFAULT_MAX_MESSAGE_SIZE`],
+    /// 64 MiB + 64 KiB: a 64 MiB tensor field and room for the rest; at most 4 GiB - 1).
     /// A larger request fails with `ResourceExhausted`; the connection stays up.
     pub fn max_message_size(mut self, bytes: usize) -> ServerBuilder {
         self.max_message_size = bytes.min(MAX_MESSAGE_SIZE_LIMIT);
