@@ -92,6 +92,16 @@
 //! region is remotely writable. Peers announcing more than
 //! [`RdmaTransport::max_peer`] allows are refused.
 //!
+//! A listener admits a client only within its limits, checked from the
+//! client's hello before anything is allocated for it: connections
+//! ([`RdmaTransport::max_connections`]), set-ups at once
+//! ([`RdmaTransport::max_handshakes`]) and the memory its connections pin
+//! ([`RdmaTransport::max_pinned_bytes`], 4 GiB by default). A refused
+//! client's connect fails with `ConnectionRefused` saying which limit
+//! ([`proto::Refused`], in the rejection's private data); the listener
+//! serves the others. A closed connection gives its share back once its
+//! memory is freed.
+//!
 //! # Thread safety
 //! The sink is shared by every task sending on the connection (a mutex
 //! guards the protocol state and the queue pair); each connection has one
@@ -109,6 +119,7 @@
 //! run in a Soft-RoCE guest by `cargo xtask test` (or by hand:
 //! `cargo xtask rxe -- <test binary> --ignored --test-threads=1`).
 
+mod admission;
 mod conn;
 mod device_events;
 pub mod proto;
@@ -129,7 +140,8 @@ use rpc_core::transport::{
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::proto::{HelloLimits, HEADER_LEN};
+use crate::admission::{Admission, AdmissionLimits, Handshake, Lease};
+use crate::proto::{Hello, HelloLimits, Refused, HEADER_LEN};
 use crate::verbs::{CmId, EventChannel};
 
 /// A one-line summary of each live connection's protocol state (credits,
@@ -159,6 +171,7 @@ pub struct RdmaTransport {
     connect_timeout: Duration,
     busy_poll: Option<Duration>,
     stream_keepalive: Option<Duration>,
+    admission: AdmissionLimits,
 }
 
 impl Default for RdmaTransport {
@@ -174,6 +187,11 @@ impl Default for RdmaTransport {
             connect_timeout: Duration::from_secs(10),
             busy_poll: None,
             stream_keepalive: Some(Duration::from_secs(10)),
+            admission: AdmissionLimits {
+                max_connections: 4096,
+                max_handshakes: 64,
+                max_pinned: 4 << 30,
+            },
         }
     }
 }
@@ -223,6 +241,31 @@ impl RdmaTransport {
         self.max_peer_ring_slots = ring_slots.max(8);
         self.max_peer_slot_size = slot_size;
         self.max_peer_region_len = region_len;
+        self
+    }
+
+    /// Most connections a listener holds at once (default 4,096); a
+    /// client beyond it is refused, and told why.
+    pub fn max_connections(mut self, connections: usize) -> RdmaTransport {
+        self.admission.max_connections = connections;
+        self
+    }
+
+    /// Most connection set-ups a listener runs at once (default 64): a
+    /// storm of connect requests is refused (told to try again) rather
+    /// than queued, each set-up holding a blocking thread meanwhile.
+    pub fn max_handshakes(mut self, handshakes: usize) -> RdmaTransport {
+        self.admission.max_handshakes = handshakes.max(1);
+        self
+    }
+
+    /// Most memory a listener's connections pin (registered memory) at
+    /// once, in bytes (default 4 GiB). Each connection's share is known
+    /// from the client's hello before anything is allocated (this side's
+    /// ring and region, send slots and staging sized by the client's): a
+    /// client whose connection does not fit is refused, and told why.
+    pub fn max_pinned_bytes(mut self, bytes: u64) -> RdmaTransport {
+        self.admission.max_pinned = bytes;
         self
     }
 
@@ -304,7 +347,14 @@ impl RdmaTransport {
         let fd = unsafe { AsyncFd::register(ListenFd(id)) }
             .map_err(|err| TransportError::io(ctx.clone(), err.into_parts().1))?;
         let (tx, rx) = mpsc::channel(16);
-        let task = tokio::spawn(accept_loop(fd, tx, self.clone(), Arc::new(start)));
+        let admission = Admission::new(self.admission);
+        let task = tokio::spawn(accept_loop(
+            fd,
+            tx,
+            self.clone(),
+            admission,
+            Arc::new(start),
+        ));
         Ok(Accepting { rx, local, task })
     }
 }
@@ -355,6 +405,7 @@ async fn accept_loop<T: Send + 'static>(
     fd: AsyncFd<ListenFd>,
     tx: mpsc::Sender<Result<T, TransportError>>,
     cfg: RdmaTransport,
+    admission: Arc<Admission>,
     start: Arc<Start<T>>,
 ) {
     loop {
@@ -378,6 +429,11 @@ async fn accept_loop<T: Send + 'static>(
                     break;
                 }
             };
+            let Some((id, peer, lease, handshake)) =
+                admit(request.id, &request.private_data, &cfg, &admission)
+            else {
+                continue;
+            };
             let cfg = cfg.clone();
             let tx = tx.clone();
             let start = Arc::clone(&start);
@@ -385,10 +441,11 @@ async fn accept_loop<T: Send + 'static>(
                 let accepted = {
                     let cfg = cfg.clone();
                     tokio::task::spawn_blocking(move || {
-                        conn::accept_blocking(request.id, request.private_data, &cfg)
+                        conn::accept_blocking(id, peer, lease, &cfg)
                     })
                     .await
                 };
+                drop(handshake);
                 let connection = match accepted {
                     Ok(Ok(est)) => start(est, &cfg),
                     Ok(Err(e)) => Err(e),
@@ -404,6 +461,39 @@ async fn accept_loop<T: Send + 'static>(
             });
         }
     }
+}
+
+/// Checks a connect request against the listener's limits before
+/// anything is allocated for it: its hello, then its admission. Refuses
+/// it (telling the client why) and returns `None`, or returns what the
+/// set-up needs.
+fn admit(
+    id: CmId,
+    private_data: &[u8],
+    cfg: &RdmaTransport,
+    admission: &Arc<Admission>,
+) -> Option<(CmId, Hello, Lease, Handshake)> {
+    let mut id = id;
+    let peer_addr = id
+        .peer_addr()
+        .map_or_else(|| "?".to_string(), |a| a.to_string());
+    let refused = match Hello::decode(private_data, &cfg.hello_limits()) {
+        Err(e) => {
+            tracing::warn!("rdma: refused a connection from {peer_addr}: {e}");
+            Refused::BadHello
+        }
+        Ok(peer) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
+            Ok((lease, handshake)) => return Some((id, peer, lease, handshake)),
+            Err(refused) => {
+                tracing::warn!("rdma: refused a connection from {peer_addr}: {refused}");
+                refused
+            }
+        },
+    };
+    if let Err(e) = id.reject(&refused.to_bytes()) {
+        tracing::warn!("rdma: rejecting {peer_addr}: {e}");
+    }
+    None
 }
 
 /// A listening id's accepted connections, made into `T`s by its accept loop.

@@ -31,7 +31,7 @@ mod state;
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
-pub(crate) use setup::{accept_blocking, connect_blocking};
+pub(crate) use setup::{accept_blocking, connect_blocking, pinned_bytes};
 
 use rpc_core::transport::TransportError;
 

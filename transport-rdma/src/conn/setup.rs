@@ -1,6 +1,7 @@
 //! Connection set-up: the device objects of one connection, made in an
 //! order that tears down safely, and the hello exchange.
 
+use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -9,7 +10,8 @@ use tokio::sync::Notify;
 
 use super::io_error;
 use super::state::{Buffers, Shared, State};
-use crate::proto::{self, Hello, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
+use crate::admission::Lease;
+use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
 use crate::registry::Placement;
 use crate::verbs::{
     Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
@@ -43,6 +45,8 @@ pub(crate) struct Established {
     own: Hello,
     peer: Hello,
     peer_addr: String,
+    /// A server's connection: its share of the listener's admission.
+    lease: Option<Lease>,
 }
 
 /// The device objects made before the hello exchange.
@@ -109,11 +113,21 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     Ok(half)
 }
 
+/// Bytes a connection pins with our settings and the peer's geometry:
+/// our ring and region, send slots for the peer's ring (plus control and
+/// chunk slots), staging as large as the peer's region.
+pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
+    let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
+    let send = u64::from(peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
+    own + send + u64::from(peer.region_len)
+}
+
 fn finish(
     id: CmId,
     half: Half,
     peer: Hello,
     peer_addr: String,
+    lease: Option<Lease>,
 ) -> Result<Established, crate::verbs::Error> {
     let send = MemoryRegion::new(
         &half.pd,
@@ -131,6 +145,7 @@ fn finish(
         own: half.own,
         peer,
         peer_addr,
+        lease,
     })
 }
 
@@ -147,19 +162,35 @@ pub(crate) fn connect_blocking(
     let half = make_half(&mut id, cfg).map_err(e)?;
     let reply = id
         .connect(&half.own.to_bytes(), cfg.connect_timeout)
-        .map_err(e)?;
+        .map_err(|err| match err {
+            crate::verbs::Error::Rejected {
+                status,
+                private_data,
+            } => {
+                let why = match Refused::decode(&private_data) {
+                    Some(refused) => format!("refused by the server: {refused}"),
+                    None => format!(
+                        "connection refused (reject status {status}): nothing listens there,                          or it is not an rdma-rpc server"
+                    ),
+                };
+                TransportError::io(ctx.clone(), io::Error::new(io::ErrorKind::ConnectionRefused, why))
+            }
+            other => e(other),
+        })?;
     let peer = Hello::decode(&reply, &cfg.hello_limits()).map_err(|p| {
         let _ = id.disconnect();
         TransportError::Protocol(format!("{ctx}: {p}"))
     })?;
-    finish(id, half, peer, format!("rdma://{addr}")).map_err(e)
+    finish(id, half, peer, format!("rdma://{addr}"), None).map_err(e)
 }
 
 /// Server side, blocking: move the request's id to its own channel,
-/// validate the client's hello, create, accept.
+/// create, accept. The client's hello was validated, and the connection
+/// admitted (`lease`), by the listener.
 pub(crate) fn accept_blocking(
     mut id: CmId,
-    private_data: Vec<u8>,
+    peer: Hello,
+    lease: Lease,
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
     let peer_addr = id
@@ -169,15 +200,8 @@ pub(crate) fn accept_blocking(
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let channel = EventChannel::new().map_err(e)?;
     id.migrate(&channel).map_err(e)?;
-    let peer = match Hello::decode(&private_data, &cfg.hello_limits()) {
-        Ok(peer) => peer,
-        Err(p) => {
-            let _ = id.reject(&[]);
-            return Err(TransportError::Protocol(format!("{ctx}: {p}")));
-        }
-    };
     let half = make_half(&mut id, cfg).map_err(e)?;
-    let mut est = finish(id, half, peer, peer_addr).map_err(e)?;
+    let mut est = finish(id, half, peer, peer_addr, Some(lease)).map_err(e)?;
     let own = est.own.to_bytes();
     est.id.accept(&own, cfg.connect_timeout).map_err(e)?;
     Ok(est)
@@ -208,6 +232,7 @@ impl Established {
             own,
             peer,
             peer_addr,
+            lease,
         } = self;
         let inline_max = cfg
             .inline_threshold
@@ -251,6 +276,7 @@ impl Established {
             released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
             peer: peer_addr,
+            _lease: lease,
         });
         (shared, id, cc)
     }

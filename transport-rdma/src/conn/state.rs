@@ -71,6 +71,9 @@ pub(super) struct Shared {
     pub(super) released: Mutex<Vec<u32>>,
     pub(super) wake_task: Notify,
     pub(super) peer: String,
+    /// A server's connection gives its admission back once its memory
+    /// (above) is freed.
+    pub(super) _lease: Option<crate::admission::Lease>,
 }
 
 impl Shared {

@@ -9,6 +9,8 @@
 //! - [`Header`]: the fixed header at the start of every SEND;
 //! - [`Hello`]: what the peers exchange in the connection manager's private
 //!   data (protocol version, ring and region geometry, region address/rkey);
+//! - [`Refused`]: why a server refused a connection (in its reject's
+//!   private data);
 //! - [`CreditWindow`]: the sender's credits for free receive slots at the peer;
 //! - [`RecvRing`]: the receiver's slot accounting, and when to return credits;
 //! - [`RegionWriter`] / [`RegionReader`]: the ring allocator over the peer's
@@ -37,6 +39,7 @@ mod credit;
 mod header;
 mod hello;
 mod reassembly;
+mod refusal;
 mod region;
 #[cfg(test)]
 mod sim;
@@ -49,6 +52,7 @@ pub use credit::{CreditWindow, Delivery, RecvRing};
 pub use header::{Header, Kind, FIRST, HEADER_LEN, LAST};
 pub use hello::{Hello, HelloLimits, HELLO_LEN, MAGIC, VERSION};
 pub use reassembly::{Assembled, Reassembly};
+pub use refusal::{Refused, REFUSED_LEN};
 pub use region::{max_chunk, RegionReader, RegionWriter};
 
 /// The peer broke the protocol: the connection must be closed and its calls failed.

@@ -193,7 +193,9 @@ impl Event {
     unsafe fn copy_from(raw: &ffi::rdma_cm_event) -> Self {
         let has_conn_param = matches!(
             raw.event,
-            event::RDMA_CM_EVENT_CONNECT_REQUEST | event::RDMA_CM_EVENT_ESTABLISHED
+            event::RDMA_CM_EVENT_CONNECT_REQUEST
+                | event::RDMA_CM_EVENT_ESTABLISHED
+                | event::RDMA_CM_EVENT_REJECTED
         );
         let private_data = if has_conn_param {
             // SAFETY: for these events `param.conn` is the active member
@@ -504,11 +506,19 @@ impl CmId {
         if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } != 0 {
             return Err(Error::Connect(last_os_error()));
         }
-        let e = self
-            .inner
-            .channel
-            .expect(event::RDMA_CM_EVENT_ESTABLISHED, timeout)?;
-        Ok(e.private_data)
+        let e = self.inner.channel.next_event(timeout)?;
+        match e.kind {
+            event::RDMA_CM_EVENT_ESTABLISHED => Ok(e.private_data),
+            event::RDMA_CM_EVENT_REJECTED => Err(Error::Rejected {
+                status: e.status,
+                private_data: e.private_data,
+            }),
+            other => Err(Error::UnexpectedCmEvent {
+                expected: event_name(event::RDMA_CM_EVENT_ESTABLISHED),
+                got: event_str(other),
+                status: e.status,
+            }),
+        }
     }
 
     /// Accepts this connect request (`rdma_accept`) and waits until the

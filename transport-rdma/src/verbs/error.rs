@@ -101,6 +101,16 @@ pub enum Error {
         /// The event's status (a negative errno or a reject reason).
         status: i32,
     },
+    /// The connect request was rejected (`RDMA_CM_EVENT_REJECTED`): by
+    /// the server's application (its reason in `private_data`), or by the
+    /// connection manager (nobody listens there: status 8 on RoCE).
+    #[error("connection rejected (status {status})")]
+    Rejected {
+        /// The event's status (the reject reason).
+        status: i32,
+        /// What the server sent with its rejection (zero-padded).
+        private_data: Vec<u8>,
+    },
     /// A work request completed with an error status.
     #[error("work request {wr_id} completed with {status_name} (status {status}, vendor error {vendor_err:#x})")]
     WorkCompletion {

@@ -1,0 +1,132 @@
+//! A listener's admission control on a real device: past its connection
+//! limit, over its pinned-memory budget, or given a hello beyond its
+//! limits, a client is refused before anything is allocated for it and
+//! told why; the listener keeps serving the others, and a closed
+//! connection gives its share back.
+//!
+//! In a two-host run each guest runs these over its own device.
+
+mod common;
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use common::TestEnv;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport_rdma::{RdmaListener, RdmaStream, RdmaTransport};
+
+/// Registered bytes of one connection end with the default settings on
+/// both sides: ring 64 x 8 KiB, send slots for the peer's ring plus 8
+/// control and chunk slots, the 1 MiB region and a 1 MiB staging region.
+const DEFAULT_PINNED: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
+
+/// Accepts streams and echoes them, until dropped.
+fn echo_server(mut listener: RdmaListener) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = stream.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    })
+}
+
+async fn echoes(stream: &mut RdmaStream) {
+    stream.write_all(b"ping").await.expect("writes");
+    let mut back = [0; 4];
+    tokio::time::timeout(Duration::from_secs(30), stream.read_exact(&mut back))
+        .await
+        .expect("the echo hung")
+        .expect("reads the echo");
+    assert_eq!(&back, b"ping");
+}
+
+fn refused(result: std::io::Result<RdmaStream>, says: &str) {
+    let err = result.expect_err("connected past a limit");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+    let text = err.to_string();
+    assert!(text.contains(says), "{text:?} does not say {says:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn past_its_connection_limit_a_listener_refuses_and_says_why() {
+    let env = TestEnv::from_env();
+    let server = RdmaTransport::default().max_connections(2);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let mut first = RdmaStream::connect(&addr).await.expect("first connects");
+    let mut second = RdmaStream::connect(&addr).await.expect("second connects");
+    refused(
+        RdmaStream::connect(&addr).await,
+        "the server has its maximum of 2 connections",
+    );
+    echoes(&mut first).await;
+    echoes(&mut second).await;
+    // A closed connection gives its place back (once the server's end is
+    // gone: its echo sees EOF and drops it).
+    first.shutdown().await.unwrap();
+    drop(first);
+    let started = Instant::now();
+    let mut third = loop {
+        match RdmaStream::connect(&addr).await {
+            Ok(stream) => break stream,
+            Err(e) if started.elapsed() < Duration::from_secs(20) => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the closed connection's place never came back: {e}"),
+        }
+    };
+    echoes(&mut third).await;
+    echoes(&mut second).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_client_whose_connection_would_pin_too_much_is_refused() {
+    let env = TestEnv::from_env();
+    // Room for one default connection, not for one with a 16 MiB region
+    // (the server's staging would match it).
+    let budget = DEFAULT_PINNED + (1 << 20);
+    let server = RdmaTransport::default().max_pinned_bytes(budget);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let greedy = RdmaTransport::default().region_len(16 << 20);
+    refused(
+        greedy.connect_stream(&addr).await,
+        &format!("the server's budget of {budget} bytes"),
+    );
+    let mut modest = RdmaStream::connect(&addr)
+        .await
+        .expect("a default connection fits the budget");
+    echoes(&mut modest).await;
+    // The budget is taken now: a second default one does not fit.
+    refused(RdmaStream::connect(&addr).await, "budget");
+    echoes(&mut modest).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_hello_beyond_the_servers_limits_or_no_listener_is_refused_with_a_reason() {
+    let env = TestEnv::from_env();
+    let server = RdmaTransport::default().max_peer(64, 8192, 1 << 20);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let big_region = RdmaTransport::default().region_len(2 << 20);
+    refused(
+        big_region.connect_stream(&addr).await,
+        "did not accept this side's hello",
+    );
+    let mut fine = RdmaStream::connect(&addr).await.expect("connects");
+    echoes(&mut fine).await;
+    // Nobody listens on port 1.
+    refused(
+        RdmaStream::connect(&format!("rdma://{}:1", env.ip)).await,
+        "nothing listens there",
+    );
+}
