@@ -7,7 +7,14 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    rpc_codegen::compile_protos(&["proto/helloworld.proto", "proto/shard.proto"], &["proto"])?;
+    rpc_codegen::compile_protos(
+        &[
+            "proto/helloworld.proto",
+            "proto/shard.proto",
+            "proto/ps.proto",
+        ],
+        &["proto"],
+    )?;
 
     let tonic_out = PathBuf::from(std::env::var("OUT_DIR")?).join("tonic");
     std::fs::create_dir_all(&tonic_out)?;

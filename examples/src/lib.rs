@@ -13,6 +13,13 @@ pub mod shard {
     rpc_core::include_proto!("shard");
 }
 
+/// The parameter-server service of the parameter-server example (`ps-server`,
+/// `ps-worker`), generated from `proto/ps.proto`; its `bytes` fields are
+/// `Bytes` (rpc-codegen's default), so a tensor decodes without a copy.
+pub mod ps {
+    rpc_core::include_proto!("ps");
+}
+
 pub mod tonic_rdma;
 
 /// Installs every transport this build has, so any address scheme works.

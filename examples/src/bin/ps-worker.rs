@@ -1,0 +1,381 @@
+//! Workers of the parameter-server example, pushing gradients to every shard
+//! of a parameter server (`ps-server`) and pulling the summed tensors back:
+//!
+//! ```text
+//! ps-worker --addr tcp://127.0.0.1:7100,tcp://127.0.0.1:7101 \
+//!     --workers 4 --keys 8 --size 1048576 --rounds 1
+//! ```
+//!
+//! `--addr` lists the shards, shard `i` at the `i`-th address (`tcp://` or
+//! `rdma://`); key `k` (named `tensor.k`) lives on shard `k % shards`.
+//! Runs `--workers` workers in this process, each with its own channel to
+//! every shard. Each round, every worker pushes a gradient of `--size` bytes
+//! (little-endian f32s) for every key, its pushes to the different shards
+//! running at once; after all workers pushed (a barrier), every worker
+//! pulls every key and checks that it equals the sum of every gradient
+//! pushed so far, element by element, exactly (gradients are small
+//! integers: their f32 sums are exact). Tensors the shards held before the
+//! run are read first and counted in. Prints the push and pull GB/s
+//! (payload bytes moved over wall time; each worker's gradients for a round
+//! are made before the round starts, and pulled tensors are checked after
+//! it ends) and exits 1 on any mismatch or failed call.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use examples::ps::parameter_server_client::ParameterServerClient;
+use examples::ps::{Key, PullRequest, PushRequest};
+use futures::future::try_join_all;
+use prost::bytes::Bytes;
+use rpc_core::{Code, Request, Status};
+use tokio::sync::Barrier;
+use tokio::time::Instant;
+
+const USAGE: &str = "usage: ps-worker --addr ADDR[,ADDR...] [--workers W] [--keys K] [--size BYTES]
+                 [--rounds R] [--timeout-s S]";
+
+/// Every call's timeout, unless `--timeout-s` says otherwise.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+struct Args {
+    shards: Vec<String>,
+    workers: usize,
+    keys: u64,
+    size: usize,
+    rounds: u64,
+    timeout: Duration,
+}
+
+fn usage() -> ! {
+    eprintln!("{USAGE}");
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        shards: Vec::new(),
+        workers: 4,
+        keys: 8,
+        size: 1 << 20,
+        rounds: 1,
+        timeout: DEFAULT_TIMEOUT,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let Some(value) = it.next() else { usage() };
+        let number = |v: &str| v.parse::<u64>().unwrap_or_else(|_| usage());
+        match flag.as_str() {
+            "--addr" => args.shards = value.split(',').map(str::to_owned).collect(),
+            "--workers" => args.workers = number(&value) as usize,
+            "--keys" => args.keys = number(&value),
+            "--size" => args.size = number(&value) as usize,
+            "--rounds" => args.rounds = number(&value),
+            "--timeout-s" => args.timeout = Duration::from_secs(number(&value)),
+            _ => usage(),
+        }
+    }
+    if args.shards.is_empty() || args.workers == 0 || args.keys == 0 || args.rounds == 0 {
+        usage();
+    }
+    if args.size == 0 || !args.size.is_multiple_of(4) || args.size > 64 << 20 {
+        eprintln!("ps-worker: --size must be a positive multiple of 4, at most 64 MiB");
+        usage();
+    }
+    args
+}
+
+/// Element `i` of worker `w`'s gradient for key `k` in round `r`: a small
+/// integer, so any sum of a few million of them is exact in f32. It depends
+/// on `(k, r, i)` only through [`phase`], which lets [`round_sums`] add up
+/// every worker's gradients once per round.
+fn gradient_value(w: usize, k: u64, r: u64, i: usize) -> f32 {
+    value_at(w, phase(k, r, i))
+}
+
+fn phase(k: u64, r: u64, i: usize) -> usize {
+    (k.wrapping_mul(17).wrapping_add(r.wrapping_mul(7)) as usize).wrapping_add(i) % 64
+}
+
+fn value_at(w: usize, phase: usize) -> f32 {
+    (w.wrapping_mul(31).wrapping_add(phase) % 64) as f32 - 32.0
+}
+
+/// For each phase, the sum of the first `workers` workers' gradient values.
+fn round_sums(workers: usize) -> [f32; 64] {
+    std::array::from_fn(|phase| (0..workers).map(|w| value_at(w, phase)).sum())
+}
+
+fn gradient(w: usize, k: u64, r: u64, floats: usize) -> Bytes {
+    let mut bytes = Vec::with_capacity(floats * 4);
+    for i in 0..floats {
+        bytes.extend_from_slice(&gradient_value(w, k, r, i).to_le_bytes());
+    }
+    Bytes::from(bytes)
+}
+
+fn key(k: u64) -> Key {
+    Key {
+        index: k,
+        name: format!("tensor.{k}"),
+    }
+}
+
+fn decode(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// What one worker measured in one phase of one round: when it began and ended.
+type Span = (Instant, Instant);
+
+/// A call's failure, naming the call and the shard.
+fn failed(what: &str, k: u64, shard: &str, status: Status) -> String {
+    format!("{what} of key {k} to {shard} failed: {status}")
+}
+
+struct Worker {
+    id: usize,
+    /// One client per shard, on this worker's own channel.
+    shards: Vec<ParameterServerClient>,
+}
+
+impl Worker {
+    fn shard_of(&self, k: u64) -> usize {
+        (k % self.shards.len() as u64) as usize
+    }
+
+    fn request<T>(&self, message: T, timeout: Duration) -> Request<T> {
+        let mut request = Request::new(message);
+        request.set_timeout(timeout);
+        request
+    }
+
+    /// Pushes `gradients[k]` for every key: each shard's keys one after the
+    /// other, the shards at once.
+    async fn push_all(&self, args: &Args, gradients: &[Bytes]) -> Result<(), String> {
+        try_join_all((0..self.shards.len()).map(|shard| async move {
+            for k in (0..args.keys).filter(|&k| self.shard_of(k) == shard) {
+                let message = PushRequest {
+                    key: Some(key(k)),
+                    gradient: gradients[k as usize].clone(),
+                };
+                self.shards[shard]
+                    .push(self.request(message, args.timeout))
+                    .await
+                    .map_err(|s| failed("push", k, &args.shards[shard], s))?;
+            }
+            Ok::<_, String>(())
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Pulls every key (the shards at once); `None` for a key never pushed.
+    async fn pull_all(&self, args: &Args) -> Result<Vec<Option<Bytes>>, String> {
+        let per_shard = try_join_all((0..self.shards.len()).map(|shard| async move {
+            let mut tensors = Vec::new();
+            for k in (0..args.keys).filter(|&k| self.shard_of(k) == shard) {
+                let message = PullRequest { key: Some(key(k)) };
+                match self.shards[shard]
+                    .pull(self.request(message, args.timeout))
+                    .await
+                {
+                    Ok(tensor) => tensors.push((k, Some(tensor.into_inner().data))),
+                    Err(status) if status.code() == Code::NotFound => tensors.push((k, None)),
+                    Err(status) => return Err(failed("pull", k, &args.shards[shard], status)),
+                }
+            }
+            Ok(tensors)
+        }))
+        .await?;
+        let mut tensors = vec![None; args.keys as usize];
+        for (k, tensor) in per_shard.into_iter().flatten() {
+            tensors[k as usize] = tensor;
+        }
+        Ok(tensors)
+    }
+
+    /// Every round: push (between barriers), pull, then check the pulls
+    /// against `expected` (which each round adds every worker's gradients to).
+    async fn run(
+        self,
+        args: Arc<Args>,
+        barrier: Arc<Barrier>,
+        baseline: Arc<Vec<Vec<f32>>>,
+    ) -> Result<Vec<(Span, Span)>, String> {
+        let floats = args.size / 4;
+        let mut expected = (*baseline).clone();
+        let mut spans = Vec::new();
+        for r in 0..args.rounds {
+            let gradients: Vec<Bytes> = (0..args.keys)
+                .map(|k| gradient(self.id, k, r, floats))
+                .collect();
+            barrier.wait().await;
+            let push_started = Instant::now();
+            let pushed = self.push_all(&args, &gradients).await;
+            let push_ended = Instant::now();
+            drop(gradients);
+            // Waited on even after a failure, so the other workers do not hang.
+            barrier.wait().await;
+            pushed?;
+            let pull_started = Instant::now();
+            let pulled = self.pull_all(&args).await?;
+            let pull_ended = Instant::now();
+            spans.push(((push_started, push_ended), (pull_started, pull_ended)));
+            let sums = round_sums(args.workers);
+            for (k, expected) in expected.iter_mut().enumerate() {
+                for (i, value) in expected.iter_mut().enumerate() {
+                    *value += sums[phase(k as u64, r, i)];
+                }
+                let Some(tensor) = &pulled[k] else {
+                    return Err(format!(
+                        "worker {}, round {r}: key {k} was not found after every worker pushed it",
+                        self.id
+                    ));
+                };
+                let got = decode(tensor);
+                if got.len() != expected.len() {
+                    return Err(format!(
+                        "worker {}, round {r}: key {k} has {} f32s, expected {}",
+                        self.id,
+                        got.len(),
+                        expected.len()
+                    ));
+                }
+                let wrong: Vec<usize> = (0..got.len())
+                    .filter(|&i| got[i].to_bits() != expected[i].to_bits())
+                    .collect();
+                if let Some(&i) = wrong.first() {
+                    return Err(format!(
+                        "worker {}, round {r}: key {k} differs from the expected sum in {} of {} elements, first at {i}: {} (expected {})",
+                        self.id,
+                        wrong.len(),
+                        got.len(),
+                        got[i],
+                        expected[i]
+                    ));
+                }
+            }
+        }
+        Ok(spans)
+    }
+}
+
+/// Payload GB/s of a phase: bytes moved in each round over the round's wall
+/// time (first start to last end over the workers), summed over the rounds.
+fn gigabytes_per_second(bytes_per_round: u64, rounds: &[Vec<Span>]) -> (f64, Duration) {
+    let mut wall = Duration::ZERO;
+    for spans in rounds {
+        let start = spans.iter().map(|s| s.0).min().expect("a worker");
+        let end = spans.iter().map(|s| s.1).max().expect("a worker");
+        wall += end - start;
+    }
+    let bytes = bytes_per_round * rounds.len() as u64;
+    (bytes as f64 / wall.as_secs_f64() / 1e9, wall)
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    examples::init_logging();
+    examples::install_transports();
+    let args = Arc::new(parse_args());
+    match run(args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("ps-worker: {message}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Arc<Args>) -> Result<(), String> {
+    let mut workers = Vec::new();
+    for id in 0..args.workers {
+        let mut shards = Vec::new();
+        for address in &args.shards {
+            let client =
+                tokio::time::timeout(args.timeout, ParameterServerClient::connect(address))
+                    .await
+                    .map_err(|_| format!("connecting to {address} took over {:?}", args.timeout))?
+                    .map_err(|e| format!("connecting to {address}: {e}"))?;
+            shards.push(client);
+        }
+        workers.push(Worker { id, shards });
+    }
+    // What the shards held before this run (zeros for keys never pushed).
+    let floats = args.size / 4;
+    let baseline = workers[0]
+        .pull_all(&args)
+        .await?
+        .into_iter()
+        .enumerate()
+        .map(|(k, tensor)| match tensor {
+            None => Ok(vec![0.0; floats]),
+            Some(data) if data.len() == args.size => Ok(decode(&data)),
+            Some(data) => Err(format!(
+                "key {k} already holds {} bytes on its shard, not --size {}: restart the servers",
+                data.len(),
+                args.size
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let baseline = Arc::new(baseline);
+    let barrier = Arc::new(Barrier::new(args.workers));
+    let mut tasks = tokio::task::JoinSet::new();
+    for worker in workers {
+        tasks.spawn(worker.run(
+            Arc::clone(&args),
+            Arc::clone(&barrier),
+            Arc::clone(&baseline),
+        ));
+    }
+    let mut pushes = vec![Vec::new(); args.rounds as usize];
+    let mut pulls = vec![Vec::new(); args.rounds as usize];
+    let mut errors = Vec::new();
+    while let Some(outcome) = tasks.join_next().await {
+        match outcome {
+            Ok(Ok(spans)) => {
+                for (r, (push, pull)) in spans.into_iter().enumerate() {
+                    pushes[r].push(push);
+                    pulls[r].push(pull);
+                }
+            }
+            Ok(Err(message)) => {
+                errors.push(message);
+                // The others may be waiting at a barrier for this one.
+                tasks.abort_all();
+            }
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => {
+                errors.push(format!("a worker panicked: {e}"));
+                tasks.abort_all();
+            }
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors.join("\n"));
+    }
+    let bytes_per_round = args.workers as u64 * args.keys * args.size as u64;
+    let (push_rate, push_wall) = gigabytes_per_second(bytes_per_round, &pushes);
+    let (pull_rate, pull_wall) = gigabytes_per_second(bytes_per_round, &pulls);
+    println!(
+        "{} workers x {} keys of {} bytes on {} shards, {} round(s): every pulled tensor equals the sum of the gradients pushed",
+        args.workers,
+        args.keys,
+        args.size,
+        args.shards.len(),
+        args.rounds
+    );
+    println!(
+        "push: {:.3} GB/s ({} MB in {push_wall:.2?})",
+        push_rate,
+        bytes_per_round * args.rounds / 1_000_000
+    );
+    println!(
+        "pull: {:.3} GB/s ({} MB in {pull_wall:.2?})",
+        pull_rate,
+        bytes_per_round * args.rounds / 1_000_000
+    );
+    Ok(())
+}
