@@ -9,8 +9,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
+use transport_rdma::RdmaTransport;
 
-use crate::{rpcbench, tcp_authority, tonicbench, Call, Error, System, MAX_MESSAGE_SIZE};
+use crate::{
+    rdma_stream, rpcbench, tcp_authority, tonicbench, Call, Error, System, MAX_MESSAGE_SIZE,
+};
 
 /// A connected client of one system's echo server. Cloning shares the
 /// connection (rdma-rpc's `Channel`, tonic's `Channel`); the raw system
@@ -19,14 +22,26 @@ use crate::{rpcbench, tcp_authority, tonicbench, Call, Error, System, MAX_MESSAG
 pub enum Client {
     /// rdma-rpc's generated client on one channel.
     Rpc(rpcbench::bench_client::BenchClient),
-    /// tonic's generated client on one HTTP/2 connection.
+    /// tonic's generated client on one HTTP/2 connection (over TCP, or
+    /// an `RdmaStream` for [`System::TonicRdma`]).
     Tonic(tonicbench::bench_client::BenchClient<tonic::transport::Channel>),
     /// The server's `host:port`: raw connections are opened as needed.
     Raw(String),
 }
 
-/// Connects to `system`'s echo server at `address` (a URL: `tcp://host:port`).
+/// Connects to `system`'s echo server at `address` (a URL: `tcp://host:port`,
+/// or `rdma://IP:PORT` for rdma-rpc and [`System::TonicRdma`], which
+/// connects with `transport_rdma`'s default settings: see [`connect_with`]).
 pub async fn connect(system: System, address: &str) -> Result<Client, Error> {
+    connect_with(system, address, &RdmaTransport::default()).await
+}
+
+/// [`connect`], with the settings [`System::TonicRdma`]'s stream uses.
+pub async fn connect_with(
+    system: System,
+    address: &str,
+    rdma: &RdmaTransport,
+) -> Result<Client, Error> {
     Ok(match system {
         System::Rpc => {
             let channel = rpc_core::Endpoint::new(address)?
@@ -41,6 +56,14 @@ pub async fn connect(system: System, address: &str) -> Result<Client, Error> {
                 .tcp_nodelay(true)
                 .connect()
                 .await?;
+            Client::Tonic(
+                tonicbench::bench_client::BenchClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE_SIZE)
+                    .max_encoding_message_size(MAX_MESSAGE_SIZE),
+            )
+        }
+        System::TonicRdma => {
+            let channel = rdma_stream::tonic_channel(rdma.clone(), address).await?;
             Client::Tonic(
                 tonicbench::bench_client::BenchClient::new(channel)
                     .max_decoding_message_size(MAX_MESSAGE_SIZE)

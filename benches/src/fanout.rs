@@ -281,7 +281,11 @@ pub async fn start_shards(plan: &ShardPlan) -> Result<Vec<Vec<String>>, Error> {
                     tokio::spawn(serving);
                     local
                 }
-                System::Raw => return Err("the fan-out benchmark has no raw system".into()),
+                System::Raw | System::TonicRdma => {
+                    return Err(
+                        format!("the fan-out benchmark has no {} system", plan.system).into(),
+                    )
+                }
             };
             addresses.push(address);
         }
@@ -468,7 +472,9 @@ impl Fan {
                 }
                 Fan::Tonic(TonicFan { shards })
             }
-            System::Raw => return Err("the fan-out benchmark has no raw system".into()),
+            System::Raw | System::TonicRdma => {
+                return Err(format!("the fan-out benchmark has no {} system", plan.system).into())
+            }
         })
     }
 

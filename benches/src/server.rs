@@ -6,15 +6,28 @@ use std::pin::Pin;
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use transport_rdma::RdmaTransport;
 
-use crate::{rpcbench, tcp_authority, tonicbench, Error, System, MAX_MESSAGE_SIZE};
+use crate::{rdma_stream, rpcbench, tcp_authority, tonicbench, Error, System, MAX_MESSAGE_SIZE};
 
 /// A server's serve loop, to spawn or await; it runs until the process ends.
 pub type Serving = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
 
 /// Binds `system`'s echo server on `address` (`tcp://127.0.0.1:0` picks a
 /// port) and returns the address it got, as a URL, and its serve loop.
+/// [`System::TonicRdma`] listens with `transport_rdma`'s default settings
+/// (see [`start_with`]).
 pub async fn start(system: System, address: &str) -> Result<(String, Serving), Error> {
+    start_with(system, address, &RdmaTransport::default()).await
+}
+
+/// [`start`], with the settings [`System::TonicRdma`]'s listener uses
+/// (completion polling: [`RdmaTransport::busy_poll`]).
+pub async fn start_with(
+    system: System,
+    address: &str,
+    rdma: &RdmaTransport,
+) -> Result<(String, Serving), Error> {
     match system {
         System::Rpc => {
             let server = rpc_core::Server::builder()
@@ -36,6 +49,19 @@ pub async fn start(system: System, address: &str) -> Result<(String, Serving), E
             let serving = tonic::transport::Server::builder()
                 .add_service(service)
                 .serve_with_incoming(incoming);
+            Ok((local, Box::pin(async move { Ok(serving.await?) })))
+        }
+        System::TonicRdma => {
+            let listener = rdma.bind_stream(address).await?;
+            let local = listener.local_addr().to_string();
+            // Tuned as the TCP system is: the same message limits (there is
+            // no Nagle to turn off: an idle stream's write leaves at once).
+            let service = tonicbench::bench_server::BenchServer::new(TonicEcho)
+                .max_decoding_message_size(MAX_MESSAGE_SIZE)
+                .max_encoding_message_size(MAX_MESSAGE_SIZE);
+            let serving = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(rdma_stream::incoming(listener));
             Ok((local, Box::pin(async move { Ok(serving.await?) })))
         }
         System::Raw => {

@@ -1,11 +1,17 @@
 //! One side of the end-to-end benchmark; `cargo xtask bench` runs both.
 //!
 //! ```text
-//! bench-node server --system rpc|tonic|raw --addr tcp://127.0.0.1:0 [--rdma-busy-poll-us N]
+//! bench-node server --system rpc|tonic|tonic-rdma|raw --addr tcp://127.0.0.1:0 [--rdma-busy-poll-us N]
 //!     prints `listening on ADDR`, then serves until killed (rdma-rpc also
-//!     serves `rdma://IP:PORT` addresses)
-//! bench-node client --system rpc|tonic|raw --addr ADDR [options]
+//!     serves `rdma://IP:PORT` addresses; tonic-rdma only those)
+//! bench-node client --system rpc|tonic|tonic-rdma|raw --addr ADDR [options]
 //!     prints one line per measurement (`latency ...`, `throughput ...`)
+//! bench-node stream-sink --addr rdma://IP:0 [--rdma-busy-poll-us N]
+//!     prints `listening on ADDR`, then reads `RdmaStream`s to their end
+//!     until killed, answering each with the count of bytes it read
+//! bench-node stream-send --addr ADDR [--sizes N,N..] [--total-mib N] [--rdma-busy-poll-us N]
+//!     per size, one stream copying N MiB one way in writes of that size;
+//!     prints `stream size=... bytes=... secs=... bytes_per_s=...`
 //! ```
 //!
 //! Client options, with their defaults:
@@ -20,8 +26,9 @@
 //! | `--throughput-ms` | `3000` | length of a throughput measurement |
 //! | `--max-inflight-bytes` | `536870912` | skip throughput runs with more payload in flight |
 //! | `--throughput-call` | `echo` | `echo` (the payload comes back) or `sink` (an empty reply: one-way streaming, rdma-rpc and tonic only) |
+//! | `--total-mib` | `256` | `stream-send`: MiB copied per write size |
 //!
-//! Both modes take `--rdma-busy-poll-us N`: `rdma://` connections poll the
+//! Every mode takes `--rdma-busy-poll-us N`: `rdma://` connections poll the
 //! completion queue for N µs after each completion before sleeping on the
 //! completion channel (default: not at all, event-driven).
 
@@ -30,18 +37,30 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use benches::{client, server, Call, Error, Measure, System};
+use benches::{client, rdma_stream, server, Call, Error, Measure, System};
 use transport_rdma::RdmaTransport;
 
 const USAGE: &str =
-    "usage: bench-node server --system rpc|tonic|raw --addr URL [--rdma-busy-poll-us N]
-       bench-node client --system rpc|tonic|raw --addr URL [--sizes N,N..] [--concurrency N,N..]
-                         [--warmup-ms N] [--latency-ms N] [--latency-calls N]
-                         [--throughput-ms N] [--max-inflight-bytes N]
-                         [--throughput-call echo|sink] [--rdma-busy-poll-us N]";
+    "usage: bench-node server --system rpc|tonic|tonic-rdma|raw --addr URL [--rdma-busy-poll-us N]
+       bench-node client --system rpc|tonic|tonic-rdma|raw --addr URL [--sizes N,N..]
+                         [--concurrency N,N..] [--warmup-ms N] [--latency-ms N]
+                         [--latency-calls N] [--throughput-ms N] [--max-inflight-bytes N]
+                         [--throughput-call echo|sink] [--rdma-busy-poll-us N]
+       bench-node stream-sink --addr rdma://IP:PORT [--rdma-busy-poll-us N]
+       bench-node stream-send --addr rdma://IP:PORT [--sizes N,N..] [--total-mib N]
+                              [--rdma-busy-poll-us N]";
+
+/// What `bench-node` was asked to do.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Server,
+    Client,
+    StreamSink,
+    StreamSend,
+}
 
 struct Args {
-    mode: String,
+    mode: Mode,
     system: System,
     addr: String,
     sizes: Vec<usize>,
@@ -51,14 +70,19 @@ struct Args {
     throughput_call: Call,
     /// `rdma://` busy-poll window; `None`: event-driven completions.
     rdma_busy_poll: Option<Duration>,
+    /// `stream-send`: bytes copied per write size.
+    stream_total: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
-    let mode = args.next().ok_or("missing mode")?;
-    if mode != "server" && mode != "client" {
-        return Err(format!("unknown mode {mode:?}"));
-    }
+    let mode = match args.next().ok_or("missing mode")?.as_str() {
+        "server" => Mode::Server,
+        "client" => Mode::Client,
+        "stream-sink" => Mode::StreamSink,
+        "stream-send" => Mode::StreamSend,
+        other => return Err(format!("unknown mode {other:?}")),
+    };
     let mut parsed = Args {
         mode,
         system: System::Rpc,
@@ -74,6 +98,7 @@ fn parse_args() -> Result<Args, String> {
         max_inflight_bytes: 512 << 20,
         throughput_call: Call::Echo,
         rdma_busy_poll: None,
+        stream_total: 256 << 20,
     };
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -99,6 +124,7 @@ fn parse_args() -> Result<Args, String> {
             "--throughput-ms" => parsed.measure.throughput_time = Duration::from_millis(number()?),
             "--max-inflight-bytes" => parsed.max_inflight_bytes = number()? as usize,
             "--throughput-call" => parsed.throughput_call = value.parse()?,
+            "--total-mib" => parsed.stream_total = number()? << 20,
             "--rdma-busy-poll-us" => {
                 parsed.rdma_busy_poll = Some(Duration::from_micros(number()?));
             }
@@ -117,7 +143,13 @@ fn main() -> ExitCode {
         }
     };
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    let (mode, system) = (args.mode.clone(), args.system);
+    let mode = match args.mode {
+        Mode::Server => "server",
+        Mode::Client => "client",
+        Mode::StreamSink => "stream-sink",
+        Mode::StreamSend => "stream-send",
+    };
+    let system = args.system;
     // Everything runs in a spawned task, on the runtime's workers: under
     // `block_on` the measuring loop would sit on the main thread, and every
     // reply would cost a cross-thread wake-up that is the harness's, not the
@@ -129,11 +161,13 @@ fn main() -> ExitCode {
                 RdmaTransport::default().busy_poll(Some(window)),
             ));
         }
+        let rdma = RdmaTransport::default().busy_poll(args.rdma_busy_poll);
         let task = tokio::spawn(async move {
-            if args.mode == "server" {
-                serve(&args).await
-            } else {
-                measure(&args).await
+            match args.mode {
+                Mode::Server => serve(&args, &rdma).await,
+                Mode::Client => measure(&args, &rdma).await,
+                Mode::StreamSink => stream_sink(&args, &rdma).await,
+                Mode::StreamSend => stream_send(&args, &rdma).await,
             }
         });
         task.await.map_err(Error::from).and_then(|r| r)
@@ -147,16 +181,39 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(args: &Args) -> Result<(), Error> {
-    let (addr, serving) = server::start(args.system, &args.addr).await?;
+async fn serve(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
+    let (addr, serving) = server::start_with(args.system, &args.addr, rdma).await?;
     println!("listening on {addr}");
     std::io::stdout().flush()?;
     serving.await
 }
 
-async fn measure(args: &Args) -> Result<(), Error> {
+async fn stream_sink(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
+    let listener = rdma.bind_stream(&args.addr).await?;
+    println!("listening on {}", listener.local_addr());
+    std::io::stdout().flush()?;
+    rdma_stream::sink(listener).await
+}
+
+async fn stream_send(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
+    let mut out = std::io::stdout();
+    for &size in &args.sizes {
+        let copy = rdma_stream::send(rdma, &args.addr, size, args.stream_total).await?;
+        writeln!(
+            out,
+            "stream size={size} bytes={} secs={:.3} bytes_per_s={:.0}",
+            copy.bytes,
+            copy.elapsed.as_secs_f64(),
+            copy.bytes_per_sec(),
+        )?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+async fn measure(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
     let system = args.system;
-    let client = client::connect(system, &args.addr).await?;
+    let client = client::connect_with(system, &args.addr, rdma).await?;
     let mut out = std::io::stdout();
     for &size in &args.sizes {
         let latency = args.measure.latency(&client, size).await?;
