@@ -125,6 +125,14 @@ fn serve(
         unsafe { qp.post_recv(slot as u64, &recv_mr, slot * SLOT..(slot + 1) * SLOT) }
             .map_err(step("post_recv"))?;
     }
+    // Registered zero-based: the peer writes at offsets, and learns
+    // nothing of this process's addresses (rxe and mlx5 support it).
+    if target.remote().addr != 0 {
+        return Err(format!(
+            "server: the remotely writable region is not zero-based: {:#x}",
+            target.remote().addr
+        ));
+    }
     conn.accept(&target.remote().to_bytes(), STEP_TIMEOUT)
         .map_err(step("accept"))?;
 

@@ -22,7 +22,9 @@ pub struct Hello {
     pub ring_slots: u32,
     /// Bytes per receive slot, header included.
     pub slot_size: u32,
-    /// Address of the large-payload region.
+    /// Address remote writes name the large-payload region's start by:
+    /// 0 where the device registers it zero-based (most do, rxe and mlx5
+    /// included), so no address of the process goes on the wire.
     pub region_addr: u64,
     /// Its remote key.
     pub region_rkey: u32,

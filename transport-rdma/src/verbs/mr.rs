@@ -1,7 +1,7 @@
 //! Registered memory.
 
 use std::ops::Range;
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
@@ -99,6 +99,9 @@ pub struct MemoryRegion {
     raw: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
+    /// The address remote requests name the buffer's start by: 0 for a
+    /// zero-based registration, else the buffer's own address.
+    iova: u64,
     remote_write: bool,
     pub(crate) pd: Arc<PdInner>,
 }
@@ -119,16 +122,38 @@ impl MemoryRegion {
         // SAFETY: the layout has a non-zero size.
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
-        // SAFETY: the PD is live; `buf..buf+len` is memory this value owns
-        // and frees only after deregistering it (Drop).
-        let raw =
-            unsafe { ffi::ibv_reg_mr(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, access) };
+        // A region the peer writes is registered zero-based (its remote
+        // addresses are offsets, so the hello tells the peer nothing of this
+        // process's address space), where the device allows it.
+        let mut iova = buf.as_ptr() as u64;
+        let mut raw = ptr::null_mut();
+        if remote_write {
+            // SAFETY: the PD is live; `buf..buf+len` is memory this value
+            // owns and frees only after deregistering it (Drop).
+            raw = unsafe {
+                ffi::ibv_reg_mr_iova2(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, 0, access.0)
+            };
+            if raw.is_null() {
+                tracing::debug!(
+                    "zero-based registration refused ({}); registering at the buffer's address",
+                    last_os_error()
+                );
+            } else {
+                iova = 0;
+            }
+        }
+        if raw.is_null() {
+            let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
+            // SAFETY: as above.
+            raw =
+                unsafe { ffi::ibv_reg_mr(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, access) };
+        }
         match NonNull::new(raw) {
             Some(raw) => Ok(Self {
                 raw,
                 buf,
                 len,
+                iova,
                 remote_write,
                 pd: Arc::clone(&pd.inner),
             }),
@@ -171,7 +196,7 @@ impl MemoryRegion {
         // SAFETY: `raw` is the live MR this value owns.
         let rkey = unsafe { self.raw.as_ref().rkey };
         RemoteRegion {
-            addr: self.buf.as_ptr() as u64,
+            addr: self.iova,
             rkey,
             len: self.len as u64,
         }
