@@ -172,6 +172,8 @@ pub struct RdmaTransport {
     busy_poll: Option<Duration>,
     stream_keepalive: Option<Duration>,
     admission: AdmissionLimits,
+    ack_timeout: Option<u8>,
+    type_of_service: Option<u8>,
 }
 
 impl Default for RdmaTransport {
@@ -192,6 +194,8 @@ impl Default for RdmaTransport {
                 max_handshakes: 64,
                 max_pinned: 4 << 30,
             },
+            ack_timeout: None,
+            type_of_service: None,
         }
     }
 }
@@ -269,6 +273,23 @@ impl RdmaTransport {
         self
     }
 
+    /// The queue pairs' ACK timeout, 4.096 µs × 2^`exponent` per retry
+    /// (0..=31; default: the connection manager's, 19 (~2 s) on Soft-RoCE):
+    /// with the retry count of 7, how long a send to a peer that stopped
+    /// answering takes to fail.
+    pub fn ack_timeout(mut self, exponent: Option<u8>) -> RdmaTransport {
+        self.ack_timeout = exponent.map(|e| e.min(31));
+        self
+    }
+
+    /// The type of service (IP ToS, RoCE traffic class) of connections
+    /// made and accepted (default: the system's), to put RPC traffic in
+    /// its own class on a fabric with QoS.
+    pub fn type_of_service(mut self, tos: Option<u8>) -> RdmaTransport {
+        self.type_of_service = tos;
+        self
+    }
+
     /// Limit of each connection set-up step (default 10 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> RdmaTransport {
         self.connect_timeout = timeout;
@@ -338,6 +359,9 @@ impl RdmaTransport {
         let e = |e: verbs::Error| TransportError::io(ctx.clone(), std::io::Error::other(e));
         let channel = EventChannel::new().map_err(e)?;
         let mut id = CmId::new(&channel).map_err(e)?;
+        if let Some(tos) = self.type_of_service {
+            id.set_type_of_service(tos).map_err(e)?;
+        }
         id.bind(addr).map_err(e)?;
         id.listen(128).map_err(e)?;
         let local = format!("rdma://{}:{}", addr.ip(), id.local_port());

@@ -130,3 +130,20 @@ async fn a_hello_beyond_the_servers_limits_or_no_listener_is_refused_with_a_reas
         "nothing listens there",
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn connections_with_an_ack_timeout_and_a_type_of_service_carry_data() {
+    let env = TestEnv::from_env();
+    // Each option is set where the connection manager takes it (ToS before
+    // the route and the listen, the ACK timeout before connect and accept):
+    // set elsewhere, rdma_set_option fails and so does the set-up.
+    let cfg = RdmaTransport::default()
+        .ack_timeout(Some(14))
+        .type_of_service(Some(32));
+    let listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let mut stream = cfg.connect_stream(&addr).await.expect("connects");
+    echoes(&mut stream).await;
+}

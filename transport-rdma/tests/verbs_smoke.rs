@@ -229,21 +229,34 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
 
 type Connected = (CmId, ProtectionDomain, CompletionQueue, QueuePair, Vec<u8>);
 
+/// The client's connection-manager options (`rdma_set_option`): an ACK
+/// timeout of 4.096 µs × 2^12 (~17 ms), and a type of service.
+const CLIENT_ACK_TIMEOUT: u8 = 12;
+const CLIENT_TOS: u8 = 32;
+
 fn try_connect(server: SocketAddr) -> Result<Connected, Error> {
     let channel = EventChannel::new()?;
     let mut id = CmId::new(&channel)?;
+    id.set_type_of_service(CLIENT_TOS)?;
     id.resolve(server, STEP_TIMEOUT)?;
+    id.set_ack_timeout(CLIENT_ACK_TIMEOUT)?;
     let pd = ProtectionDomain::new(&id)?;
     let cq = CompletionQueue::new(&id, 32)?;
     let qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default())?;
     let private = id.connect(&[], STEP_TIMEOUT)?;
+    // The options took effect on the connected queue pair.
+    let timeout = qp.ack_timeout()?;
+    assert_eq!(timeout, CLIENT_ACK_TIMEOUT, "the QP's ACK timeout");
     Ok((id, pd, cq, qp, private))
 }
 
 fn is_retryable(e: &Error) -> bool {
     matches!(
         e,
-        Error::UnexpectedCmEvent { .. } | Error::ResolveAddr { .. } | Error::Timeout { .. }
+        Error::UnexpectedCmEvent { .. }
+            | Error::Rejected { .. }
+            | Error::ResolveAddr { .. }
+            | Error::Timeout { .. }
     )
 }
 

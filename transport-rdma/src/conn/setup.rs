@@ -158,7 +158,13 @@ pub(crate) fn connect_blocking(
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let channel = EventChannel::new().map_err(e)?;
     let mut id = CmId::new(&channel).map_err(e)?;
+    if let Some(tos) = cfg.type_of_service {
+        id.set_type_of_service(tos).map_err(e)?;
+    }
     id.resolve(addr, cfg.connect_timeout).map_err(e)?;
+    if let Some(exponent) = cfg.ack_timeout {
+        id.set_ack_timeout(exponent).map_err(e)?;
+    }
     let half = make_half(&mut id, cfg).map_err(e)?;
     let reply = id
         .connect(&half.own.to_bytes(), cfg.connect_timeout)
@@ -200,6 +206,9 @@ pub(crate) fn accept_blocking(
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let channel = EventChannel::new().map_err(e)?;
     id.migrate(&channel).map_err(e)?;
+    if let Some(exponent) = cfg.ack_timeout {
+        id.set_ack_timeout(exponent).map_err(e)?;
+    }
     let half = make_half(&mut id, cfg).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease)).map_err(e)?;
     let own = est.own.to_bytes();

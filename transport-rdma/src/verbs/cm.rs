@@ -287,6 +287,12 @@ pub struct ConnectRequest {
     pub private_data: Vec<u8>,
 }
 
+// `rdma_set_option` levels and names (an unnamed enum in <rdma/rdma_cma.h>,
+// which the bindings do not carry).
+const RDMA_OPTION_ID: libc::c_int = 0;
+const RDMA_OPTION_ID_TOS: libc::c_int = 0;
+const RDMA_OPTION_ID_ACK_TIMEOUT: libc::c_int = 3;
+
 impl CmId {
     /// Creates a `cm_id` on `channel` (`rdma_create_id`, `RDMA_PS_TCP`).
     pub fn new(channel: &Arc<EventChannel>) -> Result<Self> {
@@ -494,6 +500,47 @@ impl CmId {
             .channel
             .expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
         Ok(())
+    }
+
+    /// Sets the type of service (IP ToS / traffic class) of the
+    /// connection's packets (`rdma_set_option`, `RDMA_OPTION_ID_TOS`).
+    /// Before [`resolve`](Self::resolve) (a listener's: before
+    /// [`listen`](Self::listen)).
+    pub fn set_type_of_service(&mut self, tos: u8) -> Result<()> {
+        self.set_option(RDMA_OPTION_ID_TOS, tos, "RDMA_OPTION_ID_TOS")
+    }
+
+    /// Sets the queue pair's ACK timeout, 4.096 µs × 2^`exponent` per
+    /// retry (`rdma_set_option`, `RDMA_OPTION_ID_ACK_TIMEOUT`; 0 waits
+    /// forever). Before connecting or accepting.
+    pub fn set_ack_timeout(&mut self, exponent: u8) -> Result<()> {
+        self.set_option(
+            RDMA_OPTION_ID_ACK_TIMEOUT,
+            exponent,
+            "RDMA_OPTION_ID_ACK_TIMEOUT",
+        )
+    }
+
+    fn set_option(&mut self, name: libc::c_int, mut value: u8, what: &'static str) -> Result<()> {
+        // SAFETY: the id is live; `value` is a valid u8 for the call, whose
+        // length is passed (both options take a uint8_t).
+        let ret = unsafe {
+            ffi::rdma_set_option(
+                self.as_ptr(),
+                RDMA_OPTION_ID,
+                name,
+                ptr::addr_of_mut!(value).cast(),
+                std::mem::size_of::<u8>(),
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(Error::SetOption {
+                option: what,
+                source: last_os_error(),
+            })
+        }
     }
 
     /// Connects (`rdma_connect`) and waits until the connection is

@@ -111,6 +111,18 @@ pub enum Error {
         /// What the server sent with its rejection (zero-padded).
         private_data: Vec<u8>,
     },
+    /// `rdma_set_option` failed.
+    #[error("rdma_set_option({option}) failed: {source}")]
+    SetOption {
+        /// The option.
+        option: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_query_qp` failed.
+    #[error("ibv_query_qp failed: {0}")]
+    QueryQp(#[source] io::Error),
     /// A work request completed with an error status.
     #[error("work request {wr_id} completed with {status_name} (status {status}, vendor error {vendor_err:#x})")]
     WorkCompletion {

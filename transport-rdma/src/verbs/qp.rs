@@ -101,6 +101,22 @@ impl QueuePair {
         unsafe { (*self.raw()).qp_num }
     }
 
+    /// The queue pair's ACK timeout exponent (`ibv_query_qp`,
+    /// `IBV_QP_TIMEOUT`): 4.096 µs × 2^timeout per retry, 0 forever.
+    pub fn ack_timeout(&self) -> Result<u8> {
+        // SAFETY: plain C structs, for which all-zero bytes are valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as libc::c_int;
+        // SAFETY: the QP is live (destroyed only in Drop); both out-pointers
+        // are valid for the call.
+        if unsafe { ffi::ibv_query_qp(self.raw(), &mut attr, mask, &mut init) } != 0 {
+            return Err(Error::QueryQp(last_os_error()));
+        }
+        Ok(attr.timeout)
+    }
+
     fn check_pd(&self, mr: &MemoryRegion) -> Result<()> {
         if Arc::ptr_eq(&self.pd, &mr.pd) {
             Ok(())
