@@ -174,6 +174,7 @@ pub struct RdmaTransport {
     admission: AdmissionLimits,
     ack_timeout: Option<u8>,
     type_of_service: Option<u8>,
+    source_address: Option<std::net::IpAddr>,
 }
 
 impl Default for RdmaTransport {
@@ -196,6 +197,7 @@ impl Default for RdmaTransport {
             },
             ack_timeout: None,
             type_of_service: None,
+            source_address: None,
         }
     }
 }
@@ -287,6 +289,14 @@ impl RdmaTransport {
     /// its own class on a fabric with QoS.
     pub fn type_of_service(mut self, tos: Option<u8>) -> RdmaTransport {
         self.type_of_service = tos;
+        self
+    }
+
+    /// The local address connections are made from (default: the
+    /// system's choice for the destination). On a host with several RDMA
+    /// NICs (rails), the address of one picks its device and port.
+    pub fn source_address(mut self, ip: Option<std::net::IpAddr>) -> RdmaTransport {
+        self.source_address = ip;
         self
     }
 

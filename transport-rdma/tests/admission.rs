@@ -1,8 +1,9 @@
-//! A listener's admission control on a real device: past its connection
-//! limit, over its pinned-memory budget, or given a hello beyond its
-//! limits, a client is refused before anything is allocated for it and
-//! told why; the listener keeps serving the others, and a closed
-//! connection gives its share back.
+//! Setting up connections on a real device: a listener's admission
+//! control (past its connection limit, over its pinned-memory budget, or
+//! given a hello beyond its limits, a client is refused before anything is
+//! allocated for it and told why; the listener keeps serving the others,
+//! and a closed connection gives its share back), and the deployment
+//! options (ACK timeout, type of service, source address).
 //!
 //! In a two-host run each guest runs these over its own device.
 
@@ -146,4 +147,27 @@ async fn connections_with_an_ack_timeout_and_a_type_of_service_carry_data() {
     let _serving = echo_server(listener);
     let mut stream = cfg.connect_stream(&addr).await.expect("connects");
     echoes(&mut stream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn connections_from_a_chosen_source_address() {
+    let env = TestEnv::from_env();
+    let listener = RdmaListener::bind(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    // From the device's own address: connects, and the server sees it.
+    let mut stream = RdmaTransport::default()
+        .source_address(Some(env.ip))
+        .connect_stream(&addr)
+        .await
+        .expect("connects from the device's address");
+    echoes(&mut stream).await;
+    // From an address on no interface here: refused at once, saying so.
+    let err = RdmaTransport::default()
+        .source_address(Some("192.0.2.1".parse().unwrap()))
+        .connect_stream(&addr)
+        .await
+        .expect_err("connected from an address this host does not have");
+    assert!(err.to_string().contains("rdma_resolve_addr"), "{err}");
 }

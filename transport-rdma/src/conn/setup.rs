@@ -161,7 +161,8 @@ pub(crate) fn connect_blocking(
     if let Some(tos) = cfg.type_of_service {
         id.set_type_of_service(tos).map_err(e)?;
     }
-    id.resolve(addr, cfg.connect_timeout).map_err(e)?;
+    id.resolve_from(cfg.source_address, addr, cfg.connect_timeout)
+        .map_err(e)?;
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }

@@ -469,19 +469,33 @@ impl CmId {
     /// Resolves `addr` to a device and a route (`rdma_resolve_addr`, then
     /// `rdma_resolve_route`), waiting for each.
     pub fn resolve(&mut self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+        self.resolve_from(None, addr, timeout)
+    }
+
+    /// [`resolve`](Self::resolve) from the local address `source` (which
+    /// picks the device and port: a rail), or one the system picks.
+    pub fn resolve_from(
+        &mut self,
+        source: Option<std::net::IpAddr>,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut src = source
+            .map(|ip| sockaddr_in(SocketAddr::new(ip, 0)))
+            .transpose()?;
+        let src_ptr: *mut libc::sockaddr = match &mut src {
+            Some(src) => ptr::addr_of_mut!(*src).cast(),
+            None => ptr::null_mut(),
+        };
         let mut sin = sockaddr_in(addr)?;
         let ms = i32::try_from(timeout.as_millis())
             .unwrap_or(i32::MAX)
             .max(1);
-        // SAFETY: the id is live; `sin` is a valid sockaddr_in read during
-        // the call; a NULL source lets librdmacm pick one.
+        // SAFETY: the id is live; `sin` (and `src`, when given) is a valid
+        // sockaddr_in read during the call; a NULL source lets librdmacm
+        // pick one.
         let ret = unsafe {
-            ffi::rdma_resolve_addr(
-                self.as_ptr(),
-                ptr::null_mut(),
-                ptr::addr_of_mut!(sin).cast(),
-                ms,
-            )
+            ffi::rdma_resolve_addr(self.as_ptr(), src_ptr, ptr::addr_of_mut!(sin).cast(), ms)
         };
         if ret != 0 {
             return Err(Error::ResolveAddr {
