@@ -140,7 +140,7 @@ use rpc_core::transport::{
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::admission::{Admission, AdmissionLimits, Handshake, Lease};
+use crate::admission::{Admission, AdmissionLimits, Handshake, Lease, RefusalLog};
 use crate::proto::{Hello, HelloLimits, Refused, HEADER_LEN};
 use crate::verbs::{CmId, EventChannel};
 
@@ -442,6 +442,7 @@ async fn accept_loop<T: Send + 'static>(
     admission: Arc<Admission>,
     start: Arc<Start<T>>,
 ) {
+    let mut refusals = RefusalLog::default();
     loop {
         let mut guard = tokio::select! {
             guard = fd.readable() => match guard {
@@ -463,9 +464,13 @@ async fn accept_loop<T: Send + 'static>(
                     break;
                 }
             };
-            let Some((id, peer, lease, handshake)) =
-                admit(request.id, &request.private_data, &cfg, &admission)
-            else {
+            let Some((id, peer, lease, handshake)) = admit(
+                request.id,
+                &request.private_data,
+                &cfg,
+                &admission,
+                &mut refusals,
+            ) else {
                 continue;
             };
             let cfg = cfg.clone();
@@ -506,6 +511,7 @@ fn admit(
     private_data: &[u8],
     cfg: &RdmaTransport,
     admission: &Arc<Admission>,
+    log: &mut RefusalLog,
 ) -> Option<(CmId, Hello, Lease, Handshake)> {
     let mut id = id;
     let peer_addr = id
@@ -513,13 +519,13 @@ fn admit(
         .map_or_else(|| "?".to_string(), |a| a.to_string());
     let refused = match Hello::decode(private_data, &cfg.hello_limits()) {
         Err(e) => {
-            tracing::warn!("rdma: refused a connection from {peer_addr}: {e}");
+            log.refused(&peer_addr, &e);
             Refused::BadHello
         }
         Ok(peer) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
             Ok((lease, handshake)) => return Some((id, peer, lease, handshake)),
             Err(refused) => {
-                tracing::warn!("rdma: refused a connection from {peer_addr}: {refused}");
+                log.refused(&peer_addr, &refused);
                 refused
             }
         },
