@@ -171,3 +171,59 @@ async fn connections_from_a_chosen_source_address() {
         .expect_err("connected from an address this host does not have");
     assert!(err.to_string().contains("rdma_resolve_addr"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_storm_of_connect_requests_stays_within_the_budget_and_the_server_goes_on() {
+    const STORM: usize = 100;
+    const FIT: u64 = 10;
+    let env = TestEnv::from_env();
+    let server = RdmaTransport::default()
+        .max_handshakes(8)
+        .max_pinned_bytes(FIT * DEFAULT_PINNED);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let attempts = (0..STORM).map(|_| {
+        let addr = addr.clone();
+        tokio::spawn(async move { RdmaStream::connect(&addr).await })
+    });
+    let results = tokio::time::timeout(
+        Duration::from_secs(120),
+        futures::future::join_all(attempts),
+    )
+    .await
+    .expect("connect attempts hung");
+    let mut connected = Vec::new();
+    let mut reasons = std::collections::BTreeMap::<String, usize>::new();
+    for result in results {
+        match result.unwrap() {
+            Ok(stream) => connected.push(stream),
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                let text = e.to_string();
+                let reason = if text.contains("budget") {
+                    "pinned budget"
+                } else if text.contains("setting up its maximum") {
+                    "handshakes"
+                } else {
+                    panic!("refused without a reason: {text}")
+                };
+                *reasons.entry(reason.to_string()).or_default() += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{STORM} connects at once: {} connected, refused: {reasons:?}",
+        connected.len()
+    );
+    assert!(
+        !connected.is_empty() && connected.len() as u64 <= FIT,
+        "{} connected with room for {FIT}",
+        connected.len()
+    );
+    // Every admitted connection works.
+    for stream in &mut connected {
+        echoes(stream).await;
+    }
+}
