@@ -24,7 +24,8 @@ const USAGE: &str = "usage: ps-server --addr scheme://host:port --shard I --shar
 /// A tensor of this shard: its values and how many pushes were summed into it.
 struct Stored {
     name: String,
-    values: Vec<f32>,
+    /// Little-endian f32s, as they go on the wire: a pull copies them once.
+    data: Vec<u8>,
     pushes: u64,
 }
 
@@ -68,23 +69,29 @@ impl ParameterServer for Shard {
                 .or_insert_with(|| {
                     Arc::new(Mutex::new(Stored {
                         name: key.name.clone(),
-                        values: vec![0.0; gradient.len() / 4],
+                        data: vec![0; gradient.len()],
                         pushes: 0,
                     }))
                 }),
         );
         // Summed outside the map's lock: pushes to other keys go on meanwhile.
         let mut stored = stored.lock().expect("tensor");
-        if stored.values.len() * 4 != gradient.len() {
+        if stored.data.len() != gradient.len() {
             return Err(Status::invalid_argument(format!(
                 "key {} holds {} f32s, the gradient has {}",
                 key.index,
-                stored.values.len(),
+                stored.data.len() / 4,
                 gradient.len() / 4
             )));
         }
-        for (value, bytes) in stored.values.iter_mut().zip(gradient.chunks_exact(4)) {
-            *value += f32::from_le_bytes(bytes.try_into().expect("4 bytes"));
+        for (value, add) in stored
+            .data
+            .chunks_exact_mut(4)
+            .zip(gradient.chunks_exact(4))
+        {
+            let sum = f32::from_le_bytes(value.try_into().expect("4 bytes"))
+                + f32::from_le_bytes(add.try_into().expect("4 bytes"));
+            value.copy_from_slice(&sum.to_le_bytes());
         }
         stored.pushes += 1;
         Ok(Response::new(PushReply {
@@ -107,16 +114,12 @@ impl ParameterServer for Shard {
             )));
         };
         let stored = stored.lock().expect("tensor");
-        let mut data = Vec::with_capacity(stored.values.len() * 4);
-        for value in &stored.values {
-            data.extend_from_slice(&value.to_le_bytes());
-        }
         Ok(Response::new(Tensor {
             key: Some(Key {
                 index: key.index,
                 name: stored.name.clone(),
             }),
-            data: Bytes::from(data),
+            data: Bytes::copy_from_slice(&stored.data),
             pushes: stored.pushes,
         }))
     }

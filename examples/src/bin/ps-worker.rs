@@ -105,12 +105,18 @@ fn round_sums(workers: usize) -> [f32; 64] {
     std::array::from_fn(|phase| (0..workers).map(|w| value_at(w, phase)).sum())
 }
 
-fn gradient(w: usize, k: u64, r: u64, floats: usize) -> Bytes {
-    let mut bytes = Vec::with_capacity(floats * 4);
-    for i in 0..floats {
-        bytes.extend_from_slice(&gradient_value(w, k, r, i).to_le_bytes());
-    }
-    Bytes::from(bytes)
+/// Worker `w`'s gradient for key `k` in round `r`, `bytes` long.
+fn gradient(w: usize, k: u64, r: u64, bytes: usize) -> Bytes {
+    Bytes::from(periodic(bytes, |i| gradient_value(w, k, r, i)))
+}
+
+/// `bytes` of little-endian f32s whose element `i` is `value(i % 64)`: one
+/// period encoded, then copied (cheap even in a debug build).
+fn periodic(bytes: usize, value: impl Fn(usize) -> f32) -> Vec<u8> {
+    let period: Vec<u8> = (0..64).flat_map(|i| value(i).to_le_bytes()).collect();
+    let mut data = period.repeat(bytes.div_ceil(period.len()));
+    data.truncate(bytes);
+    data
 }
 
 fn key(k: u64) -> Key {
@@ -202,14 +208,15 @@ impl Worker {
         self,
         args: Arc<Args>,
         barrier: Arc<Barrier>,
-        baseline: Arc<Vec<Vec<f32>>>,
+        baseline: Arc<Vec<Option<Vec<f32>>>>,
     ) -> Result<Vec<(Span, Span)>, String> {
-        let floats = args.size / 4;
-        let mut expected = (*baseline).clone();
+        // Per key, the sum of every gradient pushed so far: periodic in the
+        // element's index (see `phase`), so one period of 64 f32s.
+        let mut pushed_sums = vec![[0f32; 64]; args.keys as usize];
         let mut spans = Vec::new();
         for r in 0..args.rounds {
             let gradients: Vec<Bytes> = (0..args.keys)
-                .map(|k| gradient(self.id, k, r, floats))
+                .map(|k| gradient(self.id, k, r, args.size))
                 .collect();
             barrier.wait().await;
             let push_started = Instant::now();
@@ -224,8 +231,8 @@ impl Worker {
             let pull_ended = Instant::now();
             spans.push(((push_started, push_ended), (pull_started, pull_ended)));
             let sums = round_sums(args.workers);
-            for (k, expected) in expected.iter_mut().enumerate() {
-                for (i, value) in expected.iter_mut().enumerate() {
+            for (k, pushed_sum) in pushed_sums.iter_mut().enumerate() {
+                for (i, value) in pushed_sum.iter_mut().enumerate() {
                     *value += sums[phase(k as u64, r, i)];
                 }
                 let Some(tensor) = &pulled[k] else {
@@ -234,32 +241,45 @@ impl Worker {
                         self.id
                     ));
                 };
-                let got = decode(tensor);
-                if got.len() != expected.len() {
-                    return Err(format!(
-                        "worker {}, round {r}: key {k} has {} f32s, expected {}",
-                        self.id,
-                        got.len(),
-                        expected.len()
-                    ));
-                }
-                let wrong: Vec<usize> = (0..got.len())
-                    .filter(|&i| got[i].to_bits() != expected[i].to_bits())
-                    .collect();
-                if let Some(&i) = wrong.first() {
-                    return Err(format!(
-                        "worker {}, round {r}: key {k} differs from the expected sum in {} of {} elements, first at {i}: {} (expected {})",
-                        self.id,
-                        wrong.len(),
-                        got.len(),
-                        got[i],
-                        expected[i]
-                    ));
+                // Integers all: the order of the additions does not matter.
+                let expected = match &baseline[k] {
+                    None => periodic(args.size, |i| pushed_sum[i]),
+                    Some(held) => held
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(i, v)| (v + pushed_sum[i % 64]).to_le_bytes())
+                        .collect(),
+                };
+                if tensor[..] != expected[..] {
+                    return Err(mismatch(self.id, r, k, tensor, &expected));
                 }
             }
         }
         Ok(spans)
     }
+}
+
+/// Says how a pulled tensor differs from the expected one.
+fn mismatch(worker: usize, r: u64, k: usize, got: &[u8], expected: &[u8]) -> String {
+    let (got, expected) = (decode(got), decode(expected));
+    if got.len() != expected.len() {
+        return format!(
+            "worker {worker}, round {r}: key {k} has {} f32s, expected {}",
+            got.len(),
+            expected.len()
+        );
+    }
+    let wrong: Vec<usize> = (0..got.len())
+        .filter(|&i| got[i].to_bits() != expected[i].to_bits())
+        .collect();
+    let i = wrong[0];
+    format!(
+        "worker {worker}, round {r}: key {k} differs from the expected sum in {} of {} elements, first at {i}: {} (expected {})",
+        wrong.len(),
+        got.len(),
+        got[i],
+        expected[i]
+    )
 }
 
 /// Payload GB/s of a phase: bytes moved in each round over the round's wall
@@ -303,16 +323,15 @@ async fn run(args: Arc<Args>) -> Result<(), String> {
         }
         workers.push(Worker { id, shards });
     }
-    // What the shards held before this run (zeros for keys never pushed).
-    let floats = args.size / 4;
+    // What the shards held before this run (`None`: never pushed).
     let baseline = workers[0]
         .pull_all(&args)
         .await?
         .into_iter()
         .enumerate()
         .map(|(k, tensor)| match tensor {
-            None => Ok(vec![0.0; floats]),
-            Some(data) if data.len() == args.size => Ok(decode(&data)),
+            None => Ok(None),
+            Some(data) if data.len() == args.size => Ok(Some(decode(&data))),
             Some(data) => Err(format!(
                 "key {k} already holds {} bytes on its shard, not --size {}: restart the servers",
                 data.len(),
