@@ -58,12 +58,16 @@
 //! runtime runs and the peer reads (it is given up on after 5 s without
 //! progress). A program that drops its runtime right after writing
 //! (a `#[tokio::main]` returning) shuts its streams down first: unlike a
-//! socket's kernel buffer, nothing sends them once the runtime is gone. A peer whose process dies, or whose device or port fails, ends
-//! reads and writes with `ConnectionReset` naming the cause (the connection
+//! socket's kernel buffer, nothing sends them once the runtime is gone.
+//! [`RdmaStream::reset`] aborts instead (as a TCP reset): the peer's reads
+//! and writes fail with `ConnectionReset`.
+//!
+//! A peer whose process dies, or whose device or port fails, ends reads
+//! and writes with `ConnectionReset` naming the cause (the connection
 //! manager reports the disconnect); a peer host that vanishes or whose
 //! link is cut is noticed by the stream's keepalive
-//! ([`RdmaTransport::stream_keepalive`], 10 s by default) when the
-//! device's retries of its probe run out.
+//! ([`RdmaTransport::stream_keepalive`], 10 s by default): the peer's
+//! device does not acknowledge its probe.
 
 use std::fmt;
 use std::io;
@@ -142,6 +146,13 @@ impl RdmaStream {
     /// left comes first).
     pub async fn recv_bytes(&mut self) -> io::Result<Option<Bytes>> {
         self.read.recv_bytes().await
+    }
+
+    /// Aborts the stream (as a TCP reset): what was written and not yet
+    /// sent is dropped, and the peer's reads and writes fail with
+    /// `ConnectionReset` instead of reading EOF.
+    pub fn reset(self) {
+        self.write.sink.reset("the peer reset the stream");
     }
 
     /// Borrowed halves, to read and write from one task at once (as

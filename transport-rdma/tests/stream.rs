@@ -294,6 +294,27 @@ async fn tiny_writes_to_a_reader_that_lags_are_coalesced() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_reset_stream_fails_the_peers_reads_instead_of_ending_them() {
+    let env = TestEnv::from_env();
+    let (mut client, mut server) = pair(&env).await;
+    client.write_all(b"before").await.unwrap();
+    let mut got = [0; 6];
+    server.read_exact(&mut got).await.unwrap();
+    client.reset();
+    let err = tokio::time::timeout(STEP, server.read(&mut [0; 8]))
+        .await
+        .expect("the reset peer's read hung")
+        .expect_err("a reset read as data or EOF");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+    let err = server
+        .write_all(b"after")
+        .await
+        .expect_err("a write to a reset peer");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+}
+
 /// Child: connects to `RDMA_STREAM_CHILD` and writes until killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]

@@ -203,6 +203,14 @@ impl RdmaSink {
         Poll::Pending
     }
 
+    /// Ends the connection at once, without `Close`: nothing queued is
+    /// sent, and the driver disconnects, so the peer's reads and writes
+    /// fail (`ConnectionReset`) rather than end.
+    pub(crate) fn reset(&self, why: &str) {
+        self.shared.lock().fail(why.to_string());
+        self.shared.wake_task.notify_one();
+    }
+
     /// The peer's address, `rdma://IP:PORT`.
     pub(crate) fn peer(&self) -> &str {
         &self.shared.peer
