@@ -11,7 +11,8 @@
 
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -22,11 +23,32 @@ use transport_rdma::{RdmaListener, RdmaStream, RdmaTransport};
 
 use crate::Error;
 
-/// An [`RdmaStream`] as tonic's server takes it: tonic asks its
+/// An [`RdmaStream`] as tonic takes it: tonic's server asks its
 /// connections for [`Connected`], which the stream's crate does not
-/// implement. Reads and writes go straight to the stream.
+/// implement. Reads and writes go straight to the stream; writes are
+/// counted ([`writes`]).
 #[derive(Debug)]
 pub struct TonicRdmaStream(pub RdmaStream);
+
+static WRITES: AtomicU64 = AtomicU64::new(0);
+static WRITTEN: AtomicU64 = AtomicU64::new(0);
+
+/// Writes (each one RDMA message) and bytes written by every
+/// [`TonicRdmaStream`] of this process so far: what hyper's HTTP/2 makes
+/// of the calls.
+pub fn writes() -> (u64, u64) {
+    (
+        WRITES.load(Ordering::Relaxed),
+        WRITTEN.load(Ordering::Relaxed),
+    )
+}
+
+fn count(written: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+    let n = ready!(written)?;
+    WRITES.fetch_add(1, Ordering::Relaxed);
+    WRITTEN.fetch_add(n as u64, Ordering::Relaxed);
+    Poll::Ready(Ok(n))
+}
 
 impl Connected for TonicRdmaStream {
     type ConnectInfo = ();
@@ -50,7 +72,7 @@ impl AsyncWrite for TonicRdmaStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+        count(Pin::new(&mut self.get_mut().0).poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -58,7 +80,7 @@ impl AsyncWrite for TonicRdmaStream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
+        count(Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -89,15 +111,15 @@ pub async fn tonic_channel(
 ) -> Result<tonic::transport::Channel, Error> {
     let address = address.to_string();
     // The URI is only HTTP's `:authority`: the connector decides where to go.
-    let channel =
-        tonic::transport::Endpoint::from_static("http://rdma.invalid")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let (transport, address) = (transport.clone(), address.clone());
-                async move {
-                    Ok::<_, io::Error>(TokioIo::new(transport.connect_stream(&address).await?))
-                }
-            }))
-            .await?;
+    let channel = tonic::transport::Endpoint::from_static("http://rdma.invalid")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let (transport, address) = (transport.clone(), address.clone());
+            async move {
+                let stream = transport.connect_stream(&address).await?;
+                Ok::<_, io::Error>(TokioIo::new(TonicRdmaStream(stream)))
+            }
+        }))
+        .await?;
     Ok(channel)
 }
 

@@ -5,7 +5,9 @@
 //!     prints `listening on ADDR`, then serves until killed (rdma-rpc also
 //!     serves `rdma://IP:PORT` addresses; tonic-rdma only those)
 //! bench-node client --system rpc|tonic|tonic-rdma|raw --addr ADDR [options]
-//!     prints one line per measurement (`latency ...`, `throughput ...`)
+//!     prints one line per measurement (`latency ...`, `throughput ...`;
+//!     tonic-rdma also `writes ...`: the stream writes, each one RDMA
+//!     message, and bytes of its latency run, warm-up included)
 //! bench-node stream-sink --addr rdma://IP:0 [--rdma-busy-poll-us N]
 //!     prints `listening on ADDR`, then reads `RdmaStream`s to their end
 //!     until killed, answering each with the count of bytes it read
@@ -216,6 +218,7 @@ async fn measure(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
     let client = client::connect_with(system, &args.addr, rdma).await?;
     let mut out = std::io::stdout();
     for &size in &args.sizes {
+        let before = rdma_stream::writes();
         let latency = args.measure.latency(&client, size).await?;
         writeln!(
             out,
@@ -226,6 +229,17 @@ async fn measure(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
             latency.value_at_quantile(0.999),
             latency.max(),
         )?;
+        if system == System::TonicRdma {
+            // What HTTP/2 made of the calls (warm-up included): one RDMA
+            // message per write.
+            let after = rdma_stream::writes();
+            writeln!(
+                out,
+                "writes system={system} size={size} writes={} bytes={}",
+                after.0 - before.0,
+                after.1 - before.1,
+            )?;
+        }
         out.flush()?;
         for &concurrency in &args.concurrency {
             if size.saturating_mul(concurrency) > args.max_inflight_bytes {
