@@ -9,11 +9,15 @@
 //! of the markdown report and its own SVG plot. The fan-out part
 //! ([`fanout`], `fanout-bench`): whole fan-outs to 4, 16 and 64 shards,
 //! rdma-rpc against tonic with `join_all`, with one slow replica with and
-//! without hedging, over TCP and (in the guest) RDMA.
+//! without hedging, over TCP and (in the guest) RDMA. The byte-stream part
+//! ([`stream`]): tonic over `RdmaStream` against tonic over TCP and
+//! rdma-rpc, and a bulk `RdmaStream` copy against `ib_write_bw`, in one
+//! guest.
 
 mod fanout;
 mod instructions;
 mod rdma;
+mod stream;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -25,8 +29,8 @@ use std::time::Instant;
 use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
-  cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--instructions]
-                    [--rpc-addr URL] [--out DIR]
+  cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--stream]
+                    [--instructions] [--rpc-addr URL] [--out DIR]
     --quick         short measurements (about two minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
     --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
@@ -38,11 +42,17 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
                     and rdma-rpc over rdma:// in a Soft-RoCE guest (about
                     8 minutes; 4 with --quick)
     --fanout-tcp    the fan-out part over TCP only (no guest)
+    --stream        run the byte-stream part: tonic over RdmaStream vs tonic
+                    over the guest's TCP vs rdma-rpc over rdma:// (latency,
+                    64 in flight), and an RdmaStream bulk copy vs
+                    ib_write_bw, in one Soft-RoCE guest (about 2 minutes
+                    with --quick, 5 without)
     --instructions  count instructions per unary call with callgrind:
                     rdma-rpc (tcp, mem, with rpc-metrics) vs the raw echo and
                     tonic (about 3 minutes; installs valgrind)
-                    [without --tcp, --rdma, --fanout or --instructions: the
-                    first three for a full run, the TCP part alone for --quick]
+                    [without --tcp, --rdma, --fanout, --stream or
+                    --instructions: the first four for a full run, the TCP
+                    part alone for --quick]
     --rpc-addr URL  where the TCP part's rdma-rpc server listens
                     [tcp://127.0.0.1:0] (the comparators stay on TCP)
     --out DIR       write benchmarks.md, benchmarks.svg (TCP),
@@ -106,6 +116,8 @@ struct Settings {
     fanout: bool,
     /// The fan-out part also runs over RDMA (in the guest).
     fanout_rdma: bool,
+    /// Run the byte-stream part.
+    stream: bool,
     /// Count instructions per call.
     instructions: bool,
     rpc_addr: String,
@@ -183,6 +195,21 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         println!("\n{}", part.tables);
         if let Some(failed) = part.failed {
             return Err(format!("the fan-out part is incomplete: {failed}"));
+        }
+    }
+    if settings.stream {
+        let part = stream::run(&node, &settings)?;
+        let md_path = settings.out.join("benchmarks.md");
+        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
+        std::fs::write(
+            &md_path,
+            splice(&existing, &part.generated, stream::MARKERS),
+        )
+        .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
+        eprintln!("xtask bench: wrote {}", md_path.display());
+        println!("\n{}", part.tables);
+        if let Some(failed) = part.failed {
+            return Err(failed);
         }
     }
     if settings.instructions {
@@ -291,6 +318,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
     let mut quick = false;
     let (mut tcp, mut rdma) = (false, false);
     let (mut fanout, mut fanout_rdma) = (false, false);
+    let mut stream = false;
     let mut instructions = false;
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
@@ -302,6 +330,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             "--rdma" => rdma = true,
             "--fanout" => (fanout, fanout_rdma) = (true, true),
             "--fanout-tcp" => fanout = true,
+            "--stream" => stream = true,
             "--instructions" => instructions = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
@@ -309,11 +338,12 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
     }
-    if !tcp && !rdma && !fanout && !instructions {
+    if !tcp && !rdma && !fanout && !stream && !instructions {
         tcp = true;
         rdma = !quick;
         fanout = !quick;
         fanout_rdma = !quick;
+        stream = !quick;
     }
     let root = workspace_root();
     let out = out.unwrap_or_else(|| {
@@ -356,6 +386,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
         rdma,
         fanout,
         fanout_rdma,
+        stream,
         instructions,
         rpc_addr,
         out,
