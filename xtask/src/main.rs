@@ -13,12 +13,14 @@ mod rxe;
 mod setup;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Child, Command, ExitCode};
+use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: cargo xtask <demo | test | rxe | rxe-baseline | bench | fuzz>
 
-  demo          run the greeter server and client, and the inference
-                fan-out (shard-server, fanout-client) (the main job)
+  demo          run the greeter server and client, the inference fan-out
+                (shard-server, fanout-client) and the parameter server
+                (ps-server, ps-worker) (the main job)
   test          run every test (installs what it needs first; RDMA tests
                 run in a Soft-RoCE VM)
   rxe           run a command next to a Soft-RoCE device in a VM
@@ -72,6 +74,8 @@ fn demo() -> Result<(), String> {
     greeter_demo(&bin, "tcp://127.0.0.1:0")?;
     println!("== inference fan-out over TCP: 4 shards x 2 replicas, one replica 10x slower");
     fanout_demo(&bin, "tcp://127.0.0.1:0", 4, 1000, 50)?;
+    println!("== parameter server over TCP: 2 shards, 4 workers, 8 keys of 1 MiB");
+    ps_demo(&bin, "tcp://127.0.0.1:0")?;
     println!("== greeter over RDMA (Soft-RoCE device rxe0 in a VM; on a host with an RDMA NIC run");
     println!(
         "   greeter-server --addr rdma://NIC_IP:PORT and greeter-client --addr rdma://NIC_IP:PORT)"
@@ -92,7 +96,152 @@ fn demo_in_guest() -> Result<(), String> {
     greeter_demo(&bin, &format!("rdma://{ip}:0"))?;
     // The emulated device and guest take ~20 ms a call: a deadline to match.
     println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower, deadline 500 ms (emulated device)");
-    fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300, 500)
+    fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300, 500)?;
+    println!("== parameter server over RDMA: 2 shards, 4 workers, 8 keys of 1 MiB");
+    ps_demo(&bin, &format!("rdma://{ip}:0"))
+}
+
+/// How long the parameter-server demo may take, start to end: ~2 s on the
+/// host, ~20 s in the emulated guest.
+const PS_DEMO_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Starts two `ps-server` shards on `listen` (port 0: each picks one), runs
+/// `ps-worker` against them (4 workers, 8 keys of 1 MiB, one round: it
+/// checks every pulled tensor and prints push and pull GB/s), then stops the
+/// shards with SIGINT. Every wait is bounded by [`PS_DEMO_TIMEOUT`].
+fn ps_demo(bin: &Path, listen: &str) -> Result<(), String> {
+    let deadline = Instant::now() + PS_DEMO_TIMEOUT;
+    let shards = 2;
+    let mut servers = Vec::new();
+    let mut addresses = Vec::new();
+    let mut outcome = Ok(());
+    for shard in 0..shards {
+        let started = Command::new(bin.join("ps-server"))
+            .args(["--addr", listen])
+            .args([
+                "--shard",
+                &shard.to_string(),
+                "--shards",
+                &shards.to_string(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("could not start ps-server: {e}"));
+        let mut server = match started {
+            Ok(server) => server,
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        };
+        let line = first_line_within(&mut server, deadline);
+        servers.push(server);
+        match line {
+            Ok(line) => match line.trim().strip_prefix("listening on ") {
+                Some(address) => {
+                    println!("ps-server shard {shard} listening on {address}");
+                    addresses.push(address.to_string());
+                }
+                None => {
+                    outcome = Err(format!(
+                        "ps-server shard {shard} did not start (said {line:?})"
+                    ));
+                    break;
+                }
+            },
+            Err(e) => {
+                outcome = Err(format!("ps-server shard {shard}: {e}"));
+                break;
+            }
+        }
+    }
+    if outcome.is_ok() {
+        let mut worker = Command::new(bin.join("ps-worker"));
+        worker
+            .args(["--addr", &addresses.join(",")])
+            .args(["--workers", "4", "--keys", "8", "--size", "1048576"])
+            .args(["--rounds", "1", "--timeout-s", "60"]);
+        println!("-- ps-worker --workers 4 --keys 8 --size 1048576 --rounds 1");
+        outcome = run_until(&mut worker, deadline);
+    }
+    for server in &servers {
+        let _ = Command::new("kill")
+            .args(["-INT", &server.id().to_string()])
+            .status();
+    }
+    // Shutting down waits at most 10 s past the deadline, then kills.
+    let stop_by = deadline.max(Instant::now()) + Duration::from_secs(10);
+    for (shard, mut server) in servers.into_iter().enumerate() {
+        let status =
+            wait_until(&mut server, stop_by).map_err(|e| format!("ps-server shard {shard}: {e}"));
+        match status {
+            Ok(status) if status.success() => {}
+            Ok(status) => {
+                outcome = outcome.and(Err(format!("ps-server shard {shard} exited with {status}")))
+            }
+            Err(e) => outcome = outcome.and(Err(e)),
+        }
+    }
+    outcome?;
+    println!("ps-server shards shut down cleanly");
+    Ok(())
+}
+
+/// The first line `child` prints on its piped stdout, if it prints one before
+/// `deadline` (else the child is killed). The rest of its output is passed on.
+fn first_line_within(child: &mut Child, deadline: Instant) -> Result<String, String> {
+    use std::io::BufRead;
+
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut reader = std::io::BufReader::new(stdout);
+        let mut line = String::new();
+        let first = reader.read_line(&mut line).map(|_| line);
+        let _ = tx.send(first);
+        // Pass the rest on, so the child never blocks on a full pipe.
+        for line in reader.lines().map_while(Result::ok) {
+            println!("{line}");
+        }
+    });
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(Ok(line)) if !line.is_empty() => Ok(line),
+        Ok(Ok(_)) => Err("exited without printing a line".into()),
+        Ok(Err(e)) => Err(format!("reading its output: {e}")),
+        Err(_) => {
+            let _ = child.kill();
+            Err("printed nothing in time: killed".into())
+        }
+    }
+}
+
+/// Runs `command` to its end, killing it if it runs past `deadline`.
+fn run_until(command: &mut Command, deadline: Instant) -> Result<(), String> {
+    let mut child = command
+        .spawn()
+        .map_err(|e| format!("could not start {command:?}: {e}"))?;
+    let status = wait_until(&mut child, deadline).map_err(|e| format!("{command:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{command:?} failed with {status}"))
+    }
+}
+
+/// Waits for `child` to exit; kills it if it is still running at `deadline`.
+fn wait_until(child: &mut Child, deadline: Instant) -> Result<std::process::ExitStatus, String> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Ok(status),
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("still running at the demo's deadline: killed".into());
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(format!("waiting for it: {e}")),
+        }
+    }
 }
 
 /// Starts `shard-server` (`shards` x 2 replicas on `listen`, replica 0 of
