@@ -30,6 +30,11 @@
 //! | `--throughput-call` | `echo` | `echo` (the payload comes back) or `sink` (an empty reply: one-way streaming, rdma-rpc and tonic only) |
 //! | `--total-mib` | `256` | `stream-send`: MiB copied per write size |
 //!
+//! Every mode takes `--rdma-region-kib N`: the region each `RdmaStream`
+//! connection (stream modes and tonic-rdma; not rdma-rpc's `rdma://`)
+//! registers for messages over a slot, a message being at most half of
+//! the peer's (default: the transport's, 1 MiB).
+//!
 //! Every mode takes `--rdma-busy-poll-us N`: `rdma://` connections poll the
 //! completion queue for N µs after each completion before sleeping on the
 //! completion channel (default: not at all, event-driven).
@@ -50,7 +55,8 @@ const USAGE: &str =
                          [--throughput-call echo|sink] [--rdma-busy-poll-us N]
        bench-node stream-sink --addr rdma://IP:PORT [--rdma-busy-poll-us N]
        bench-node stream-send --addr rdma://IP:PORT [--sizes N,N..] [--total-mib N]
-                              [--rdma-busy-poll-us N]";
+                              [--rdma-busy-poll-us N]
+       (every mode also takes --rdma-region-kib N)";
 
 /// What `bench-node` was asked to do.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -74,6 +80,8 @@ struct Args {
     rdma_busy_poll: Option<Duration>,
     /// `stream-send`: bytes copied per write size.
     stream_total: u64,
+    /// `RdmaStream`s' region, bytes; `None`: the transport's default.
+    rdma_region: Option<u32>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -101,6 +109,7 @@ fn parse_args() -> Result<Args, String> {
         throughput_call: Call::Echo,
         rdma_busy_poll: None,
         stream_total: 256 << 20,
+        rdma_region: None,
     };
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -127,6 +136,14 @@ fn parse_args() -> Result<Args, String> {
             "--max-inflight-bytes" => parsed.max_inflight_bytes = number()? as usize,
             "--throughput-call" => parsed.throughput_call = value.parse()?,
             "--total-mib" => parsed.stream_total = number()? << 20,
+            "--rdma-region-kib" => {
+                let bytes = number()?.saturating_mul(1024);
+                let bytes = u32::try_from(bytes)
+                    .ok()
+                    .filter(|b| (4096..=1 << 30).contains(b))
+                    .ok_or_else(|| format!("{flag} {value}: 4 to 1048576 KiB"))?;
+                parsed.rdma_region = Some(bytes);
+            }
             "--rdma-busy-poll-us" => {
                 parsed.rdma_busy_poll = Some(Duration::from_micros(number()?));
             }
@@ -163,7 +180,10 @@ fn main() -> ExitCode {
                 RdmaTransport::default().busy_poll(Some(window)),
             ));
         }
-        let rdma = RdmaTransport::default().busy_poll(args.rdma_busy_poll);
+        let mut rdma = RdmaTransport::default().busy_poll(args.rdma_busy_poll);
+        if let Some(bytes) = args.rdma_region {
+            rdma = rdma.region_len(bytes);
+        }
         let task = tokio::spawn(async move {
             match args.mode {
                 Mode::Server => serve(&args, &rdma).await,

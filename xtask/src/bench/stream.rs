@@ -62,6 +62,16 @@ const QUICK_CASES: &[Case] = &[
     bw(16 << 20, 5),
 ];
 
+/// Rounds of the bulk comparison (each: every write size, `ib_write_bw`
+/// then the copy); the tables give medians over them.
+fn rounds(quick: bool) -> usize {
+    if quick {
+        1
+    } else {
+        3
+    }
+}
+
 /// MiB each bulk copy carries.
 fn bulk_mib(quick: bool) -> u64 {
     if quick {
@@ -152,10 +162,10 @@ pub(super) struct StreamPart {
 /// Everything measured in the guest.
 #[derive(Default)]
 struct Results {
-    /// The bulk copy's bytes/s, by write size.
-    bulk: BTreeMap<usize, f64>,
-    /// `ib_write_bw`'s average, bytes/s, by size.
-    write_bw: BTreeMap<usize, f64>,
+    /// The bulk copy's bytes/s, by write size, one per round.
+    bulk: BTreeMap<usize, Vec<f64>>,
+    /// `ib_write_bw`'s average, bytes/s, by size, one per round.
+    write_bw: BTreeMap<usize, Vec<f64>>,
     /// Round trips in µs, by (system, size).
     latency: BTreeMap<(System, usize), Latency>,
     /// `Echo` calls/s with [`IN_FLIGHT`] in flight, by (system, size).
@@ -219,8 +229,9 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// The guest's script: per write size, `ib_write_bw` then the bulk copy;
-/// then, per payload size, one client per system, the systems taking turns.
+/// The guest's script: [`rounds`] of, per write size, `ib_write_bw` then
+/// the bulk copy; then, per payload size, one client per system, the
+/// systems taking turns.
 fn guest_script(node: &Path, quick: bool, cases: &[Case]) -> String {
     let node = shell_quote(&node.to_string_lossy());
     // `start VAR LOG ARGS...`: runs bench-node ARGS in the background, sets
@@ -246,7 +257,7 @@ echo '@@part bulk'
 start sink /tmp/stream-sink.log stream-sink --addr "rdma://$RDMA_TEST_IP:0"
 "#
     );
-    for size in BULK_SIZES {
+    for size in std::iter::repeat_n(BULK_SIZES, rounds(quick)).flatten() {
         let perftest: Vec<String> = cases
             .iter()
             .filter(|c| c.size as usize == size)
@@ -308,7 +319,9 @@ fn parse(output: &str, cases: &'static [Case]) -> Result<Results, String> {
         if let Some(mb) = m.get("bw_avg_mb_s") {
             results
                 .write_bw
-                .insert(m.size as usize, mb * (1u64 << 20) as f64);
+                .entry(m.size as usize)
+                .or_default()
+                .push(mb * (1u64 << 20) as f64);
         }
     }
     for line in output.lines() {
@@ -325,7 +338,11 @@ fn parse(output: &str, cases: &'static [Case]) -> Result<Results, String> {
                 .ok_or_else(|| format!("no {key} in {line:?}"))
         };
         if kind == Some("stream") {
-            results.bulk.insert(size, number("bytes_per_s")?);
+            results
+                .bulk
+                .entry(size)
+                .or_default()
+                .push(number("bytes_per_s")?);
             continue;
         }
         if kind == Some("writes") {
@@ -382,6 +399,33 @@ fn missing(results: &Results) -> Vec<String> {
     missing
 }
 
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: Option<&Vec<f64>>) -> Option<f64> {
+    let mut v = values?.clone();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    })
+}
+
+/// `min–max` of `values` in MB/s, or `–`.
+fn spread(values: Option<&Vec<f64>>) -> String {
+    match values {
+        Some(v) if v.len() > 1 => {
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(0.0, f64::max);
+            format!("{:.1}–{:.1}", lo / 1e6, hi / 1e6)
+        }
+        _ => "–".into(),
+    }
+}
+
 fn over(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
@@ -398,21 +442,23 @@ fn tables(results: &Results) -> String {
         "### Bulk one-way copy: `RdmaStream` against `ib_write_bw`\n\n\
          One stream, `write_all` of the whole buffer each time, the sink reading with \
          `recv_bytes` and confirming the byte count; `ib_write_bw` right before it at the \
-         same message size. MB/s are 10⁶ bytes/s (perftest's 2²⁰-byte MB converted).\n\n\
-         | write size | `RdmaStream` MB/s | `ib_write_bw` MB/s | ratio |\n|---:|---:|---:|---:|\n",
+         same message size, each round going through every size. MB/s are 10⁶ bytes/s \
+         (perftest's 2²⁰-byte MB converted): the median over the rounds, and the lowest and \
+         highest; the ratio is of the medians.\n\n\
+         | write size | `RdmaStream` MB/s | range | `ib_write_bw` MB/s | range | ratio |\n\
+         |---:|---:|---:|---:|---:|---:|\n",
     );
     for size in BULK_SIZES {
-        let (ours, floor) = (
-            results.bulk.get(&size).copied(),
-            results.write_bw.get(&size).copied(),
-        );
+        let (ours, floor) = (results.bulk.get(&size), results.write_bw.get(&size));
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             size_name(size),
-            mb(ours),
-            mb(floor),
-            ratio(ours, floor)
+            mb(median(ours)),
+            spread(ours),
+            mb(median(floor)),
+            spread(floor),
+            ratio(median(ours), median(floor))
         );
     }
     let _ = writeln!(
@@ -508,8 +554,8 @@ fn targets(results: &Results) -> String {
     );
     for size in BULK_SIZES {
         let measured = over(
-            results.bulk.get(&size).copied(),
-            results.write_bw.get(&size).copied(),
+            median(results.bulk.get(&size)),
+            median(results.write_bw.get(&size)),
         );
         if size == 1 << 20 {
             target_row(
@@ -603,7 +649,7 @@ fn report(settings: &Settings, cases: &[Case], tables: &str, missing: &[String])
          `rxe0` on a dummy netdev (MTU 1500, RDMA path MTU 1024), booted once for everything \
          below\n\
          - Date: {date}\n\
-         - Bulk: per write size, perftest (server and client in the guest, `-R -F`; \
+         - Bulk: {rounds} round(s) of, per write size, perftest (server and client in the guest, `-R -F`; \
          {perftest}), then `bench-node stream-send --addr ADDR --sizes SIZE --total-mib {mib}` \
          against one `bench-node stream-sink --addr rdma://10.77.0.1:0`.\n\
          - RPC: `bench-node server --system tonic-rdma|tonic|rpc` on `rdma://10.77.0.1:0`, \
@@ -628,6 +674,7 @@ fn report(settings: &Settings, cases: &[Case], tables: &str, missing: &[String])
         date = date(),
         perftest = perftest.join(", "),
         mib = bulk_mib(settings.quick),
+        rounds = rounds(settings.quick),
         args = client_args(settings.quick, 32).trim_start_matches("--sizes 32 "),
         windows = windows.join("; "),
     )
@@ -652,8 +699,8 @@ mod tests {
             throughput system=rpc call=echo size=32 concurrency=64 calls=6500 secs=1.000 calls_per_s=6500.0 gb_per_s=0.0000\n\
             writes system=tonic-rdma size=32 writes=400 bytes=40000\n";
         let r = parse(output, CASES).unwrap();
-        assert_eq!(r.write_bw[&(1 << 20)], 40.0 * 1048576.0);
-        assert_eq!(r.bulk[&(1 << 20)], 38e6);
+        assert_eq!(r.write_bw[&(1 << 20)], vec![40.0 * 1048576.0]);
+        assert_eq!(r.bulk[&(1 << 20)], vec![38e6]);
         assert_eq!(r.latency[&(System::TonicTcp, 32)].p50, 4000.0);
         assert_eq!(r.throughput[&(System::Rpc, 32)], 6500.0);
         let targets = targets(&r);
@@ -668,12 +715,23 @@ mod tests {
         ));
         let tables = tables(&r);
         assert!(
-            tables.contains("| 1 MiB | 38.00 | 41.94 | 0.91× |"),
+            tables.contains("| 1 MiB | 38.00 | – | 41.94 | – | 0.91× |"),
             "{tables}"
         );
         assert!(tables.contains("| 32 B | p50 | 8000 µs | 4000 µs | 500 µs | 2.00× | 16.00× |"));
         assert!(tables.contains("| 32 B | 400 | 100 |"), "{tables}");
         assert!(missing(&r).contains(&"bulk copy 64 KiB".to_string()));
+    }
+
+    #[test]
+    fn medians_of_rounds() {
+        assert_eq!(median(Some(&vec![3.0, 1.0, 2.0])), Some(2.0));
+        assert_eq!(median(Some(&vec![4.0, 1.0, 2.0, 3.0])), Some(2.5));
+        assert_eq!(median(Some(&vec![])), None);
+        assert_eq!(spread(Some(&vec![2e6, 1e6, 3e6])), "1.0–3.0");
+        let script = guest_script(Path::new("/t/bench-node"), false, CASES);
+        assert_eq!(script.matches("'ib_write_bw,1048576,200'").count(), 3);
+        assert_eq!(script.matches("--sizes 1048576 --total-mib 256").count(), 3);
     }
 
     #[test]
