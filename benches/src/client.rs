@@ -33,7 +33,7 @@ pub enum Client {
 /// or `rdma://IP:PORT` for rdma-rpc and [`System::TonicRdma`], which
 /// connects with `transport_rdma`'s default settings: see [`connect_with`]).
 pub async fn connect(system: System, address: &str) -> Result<Client, Error> {
-    connect_with(system, address, &RdmaTransport::default()).await
+    connect_with(system, address, &RdmaTransport::default(), None).await
 }
 
 /// [`connect`], with the settings [`System::TonicRdma`]'s stream uses.
@@ -41,6 +41,7 @@ pub async fn connect_with(
     system: System,
     address: &str,
     rdma: &RdmaTransport,
+    http2_max_frame: Option<u32>,
 ) -> Result<Client, Error> {
     Ok(match system {
         System::Rpc => {
@@ -54,6 +55,7 @@ pub async fn connect_with(
             let uri = format!("http://{}", tcp_authority(address)?);
             let channel = tonic::transport::Endpoint::from_shared(uri)?
                 .tcp_nodelay(true)
+                .max_frame_size(http2_max_frame)
                 .connect()
                 .await?;
             Client::Tonic(
@@ -63,7 +65,8 @@ pub async fn connect_with(
             )
         }
         System::TonicRdma => {
-            let channel = rdma_stream::tonic_channel(rdma.clone(), address).await?;
+            let channel =
+                rdma_stream::tonic_channel(rdma.clone(), address, http2_max_frame).await?;
             Client::Tonic(
                 tonicbench::bench_client::BenchClient::new(channel)
                     .max_decoding_message_size(MAX_MESSAGE_SIZE)

@@ -104,14 +104,17 @@ pub fn incoming(
 }
 
 /// A tonic channel whose one HTTP/2 connection is an [`RdmaStream`] to
-/// `address` (`rdma://IP:PORT`), made with `transport`'s settings.
+/// `address` (`rdma://IP:PORT`), made with `transport`'s settings,
+/// accepting HTTP/2 frames up to `max_frame_size` (`None`: 16 KiB).
 pub async fn tonic_channel(
     transport: RdmaTransport,
     address: &str,
+    max_frame_size: Option<u32>,
 ) -> Result<tonic::transport::Channel, Error> {
     let address = address.to_string();
     // The URI is only HTTP's `:authority`: the connector decides where to go.
     let channel = tonic::transport::Endpoint::from_static("http://rdma.invalid")
+        .max_frame_size(max_frame_size)
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let (transport, address) = (transport.clone(), address.clone());
             async move {

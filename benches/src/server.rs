@@ -18,15 +18,18 @@ pub type Serving = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
 /// [`System::TonicRdma`] listens with `transport_rdma`'s default settings
 /// (see [`start_with`]).
 pub async fn start(system: System, address: &str) -> Result<(String, Serving), Error> {
-    start_with(system, address, &RdmaTransport::default()).await
+    start_with(system, address, &RdmaTransport::default(), None).await
 }
 
 /// [`start`], with the settings [`System::TonicRdma`]'s listener uses
-/// (completion polling: [`RdmaTransport::busy_poll`]).
+/// (completion polling: [`RdmaTransport::busy_poll`]) and, for both tonic
+/// systems, the largest HTTP/2 frame to accept (`None`: h2's default,
+/// 16 KiB).
 pub async fn start_with(
     system: System,
     address: &str,
     rdma: &RdmaTransport,
+    http2_max_frame: Option<u32>,
 ) -> Result<(String, Serving), Error> {
     match system {
         System::Rpc => {
@@ -47,6 +50,7 @@ pub async fn start_with(
             let incoming =
                 tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
             let serving = tonic::transport::Server::builder()
+                .max_frame_size(http2_max_frame)
                 .add_service(service)
                 .serve_with_incoming(incoming);
             Ok((local, Box::pin(async move { Ok(serving.await?) })))
@@ -60,6 +64,7 @@ pub async fn start_with(
                 .max_decoding_message_size(MAX_MESSAGE_SIZE)
                 .max_encoding_message_size(MAX_MESSAGE_SIZE);
             let serving = tonic::transport::Server::builder()
+                .max_frame_size(http2_max_frame)
                 .add_service(service)
                 .serve_with_incoming(rdma_stream::incoming(listener));
             Ok((local, Box::pin(async move { Ok(serving.await?) })))

@@ -35,6 +35,10 @@
 //! registers for messages over a slot, a message being at most half of
 //! the peer's (default: the transport's, 1 MiB).
 //!
+//! The tonic systems' server and client take `--http2-max-frame-kib N`:
+//! the largest HTTP/2 frame each accepts, so the largest its peer sends
+//! (default: h2's, 16 KiB; at most 16383 KiB).
+//!
 //! Every mode takes `--rdma-busy-poll-us N`: `rdma://` connections poll the
 //! completion queue for N µs after each completion before sleeping on the
 //! completion channel (default: not at all, event-driven).
@@ -56,7 +60,8 @@ const USAGE: &str =
        bench-node stream-sink --addr rdma://IP:PORT [--rdma-busy-poll-us N]
        bench-node stream-send --addr rdma://IP:PORT [--sizes N,N..] [--total-mib N]
                               [--rdma-busy-poll-us N]
-       (every mode also takes --rdma-region-kib N)";
+       (every mode also takes --rdma-region-kib N; server and client of the
+       tonic systems --http2-max-frame-kib N)";
 
 /// What `bench-node` was asked to do.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -82,6 +87,8 @@ struct Args {
     stream_total: u64,
     /// `RdmaStream`s' region, bytes; `None`: the transport's default.
     rdma_region: Option<u32>,
+    /// tonic systems: the largest HTTP/2 frame to accept; `None`: 16 KiB.
+    http2_max_frame: Option<u32>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -110,6 +117,7 @@ fn parse_args() -> Result<Args, String> {
         rdma_busy_poll: None,
         stream_total: 256 << 20,
         rdma_region: None,
+        http2_max_frame: None,
     };
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -136,6 +144,14 @@ fn parse_args() -> Result<Args, String> {
             "--max-inflight-bytes" => parsed.max_inflight_bytes = number()? as usize,
             "--throughput-call" => parsed.throughput_call = value.parse()?,
             "--total-mib" => parsed.stream_total = number()? << 20,
+            "--http2-max-frame-kib" => {
+                let bytes = number()?.saturating_mul(1024);
+                let bytes = u32::try_from(bytes)
+                    .ok()
+                    .filter(|b| (16 << 10..1 << 24).contains(b))
+                    .ok_or_else(|| format!("{flag} {value}: 16 to 16383 KiB"))?;
+                parsed.http2_max_frame = Some(bytes);
+            }
             "--rdma-region-kib" => {
                 let bytes = number()?.saturating_mul(1024);
                 let bytes = u32::try_from(bytes)
@@ -204,7 +220,8 @@ fn main() -> ExitCode {
 }
 
 async fn serve(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
-    let (addr, serving) = server::start_with(args.system, &args.addr, rdma).await?;
+    let (addr, serving) =
+        server::start_with(args.system, &args.addr, rdma, args.http2_max_frame).await?;
     println!("listening on {addr}");
     std::io::stdout().flush()?;
     serving.await
@@ -235,7 +252,7 @@ async fn stream_send(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
 
 async fn measure(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
     let system = args.system;
-    let client = client::connect_with(system, &args.addr, rdma).await?;
+    let client = client::connect_with(system, &args.addr, rdma, args.http2_max_frame).await?;
     let mut out = std::io::stdout();
     for &size in &args.sizes {
         let before = rdma_stream::writes();
