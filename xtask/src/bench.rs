@@ -45,8 +45,8 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
     --stream        run the byte-stream part: tonic over RdmaStream vs tonic
                     over the guest's TCP vs rdma-rpc over rdma:// (latency,
                     64 in flight), and an RdmaStream bulk copy vs
-                    ib_write_bw, in one Soft-RoCE guest (about 2 minutes
-                    with --quick, 5 without)
+                    ib_write_bw, in one Soft-RoCE guest (about 3 minutes
+                    with --quick, 4 to 5 without)
     --instructions  count instructions per unary call with callgrind:
                     rdma-rpc (tcp, mem, with rpc-metrics) vs the raw echo and
                     tonic (about 3 minutes; installs valgrind)

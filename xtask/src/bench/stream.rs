@@ -653,11 +653,12 @@ fn report(settings: &Settings, cases: &[Case], tables: &str, missing: &[String])
          {perftest}), then `bench-node stream-send --addr ADDR --sizes SIZE --total-mib {mib}` \
          against one `bench-node stream-sink --addr rdma://10.77.0.1:0`.\n\
          - RPC: `bench-node server --system tonic-rdma|tonic|rpc` on `rdma://10.77.0.1:0`, \
-         `tcp://10.77.0.1:0` (the guest's own address: it has no other NIC) and \
+         `tcp://10.77.0.1:0` (the guest's own address, \
+         which Linux routes over loopback: the guest has no other NIC) and \
          `rdma://10.77.0.1:0`, all up at once; per size, one `bench-node client --system SYSTEM \
          --addr ADDR` per system, the systems taking turns (`{args}`). Every process a default \
          multi-threaded tokio runtime; `transport-rdma` at its defaults (completion events, \
-         512 KiB region per direction). tonic is tuned as in the TCP part: 64 MiB message \
+         a 1 MiB region: messages of at most 512 KiB). tonic is tuned as in the TCP part: 64 MiB message \
          limits (over TCP also `TCP_NODELAY`).\n\
          - Warm-up / latency / throughput windows per size, ms: {windows}.\n\
          {missing}\n\
