@@ -12,14 +12,9 @@ mod common;
 use std::io::ErrorKind;
 use std::time::{Duration, Instant};
 
-use common::TestEnv;
+use common::{TestEnv, PINNED_PER_END};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_rdma::{RdmaListener, RdmaStream, RdmaTransport};
-
-/// Registered bytes of one connection end with the default settings on
-/// both sides: ring 64 x 8 KiB, send slots for the peer's ring plus 8
-/// control and chunk slots, the 1 MiB region and a 1 MiB staging region.
-const DEFAULT_PINNED: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
 
 /// Accepts streams and echoes them, until dropped.
 fn echo_server(mut listener: RdmaListener) -> tokio::task::JoinHandle<()> {
@@ -91,7 +86,7 @@ async fn a_client_whose_connection_would_pin_too_much_is_refused() {
     let env = TestEnv::from_env();
     // Room for one default connection, not for one with a 16 MiB region
     // (the server's staging would match it).
-    let budget = DEFAULT_PINNED + (1 << 20);
+    let budget = PINNED_PER_END + (1 << 20);
     let server = RdmaTransport::default().max_pinned_bytes(budget);
     let listener = server.bind_stream(&env.local_listen()).await.unwrap();
     let addr = listener.local_addr().to_string();
@@ -180,7 +175,7 @@ async fn a_storm_of_connect_requests_stays_within_the_budget_and_the_server_goes
     let env = TestEnv::from_env();
     let server = RdmaTransport::default()
         .max_handshakes(8)
-        .max_pinned_bytes(FIT * DEFAULT_PINNED);
+        .max_pinned_bytes(FIT * PINNED_PER_END);
     let listener = server.bind_stream(&env.local_listen()).await.unwrap();
     let addr = listener.local_addr().to_string();
     let _serving = echo_server(listener);

@@ -10,33 +10,13 @@ mod common;
 use rpc_test_support as support;
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::{pinned_bytes, TestEnv, PINNED_PER_END};
 use futures::future::join_all;
 use rpc_core::{BytesCodec, Channel, Client, Request};
 use support::TestServer;
 
 /// Connections opened (each has both ends in this process: 2x the ends).
 const CONNECTIONS: usize = 100;
-
-/// Registered bytes of one connection end with the default settings:
-/// receive ring 64 x 8 KiB, send slots for the peer's ring plus 8 control
-/// and chunk slots, the 1 MiB region and a 1 MiB staging region.
-const PER_END: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
-
-/// `VmPin` of this process (memory pinned by verbs registrations), bytes.
-fn pinned_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmPin:"))
-        .expect("/proc/self/status has VmPin");
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("unreadable {line:?}"));
-    kib * 1024
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
@@ -70,7 +50,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     join_all(calls).await;
 
     let pinned = pinned_bytes() - before;
-    let budget = 2 * CONNECTIONS as u64 * PER_END;
+    let budget = 2 * CONNECTIONS as u64 * PINNED_PER_END;
     println!(
         "{CONNECTIONS} connections ({} ends): {} MiB pinned, budget {} MiB",
         2 * CONNECTIONS,
@@ -90,7 +70,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     // lingers until its peer's close arrives).
     drop(channels);
     let released = support::eventually(std::time::Duration::from_secs(30), || {
-        pinned_bytes() <= before + PER_END
+        pinned_bytes() <= before + PINNED_PER_END
     })
     .await;
     assert!(

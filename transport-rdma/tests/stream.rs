@@ -14,7 +14,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Role, TestEnv};
+use common::{pinned_bytes, Role, TestEnv, PINNED_PER_END};
 use futures::future::join_all;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use transport_rdma::{RdmaListener, RdmaStream};
@@ -396,26 +396,6 @@ async fn a_peer_killed_mid_transfer_ends_reads_and_writes_with_an_error() {
     assert_eq!(&back, b"still here");
 }
 
-/// Registered bytes of one stream end with the default settings (as
-/// `many_connections.rs`): ring 64 x 8 KiB, send slots for the peer's ring
-/// plus 8, the 1 MiB region and a 1 MiB staging region.
-const PER_END: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
-
-/// `VmPin` of this process (memory pinned by verbs registrations), bytes.
-fn pinned_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmPin:"))
-        .expect("/proc/self/status has VmPin");
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("unreadable {line:?}"));
-    kib * 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_hundred_streams_at_once_within_their_memory_budget() {
@@ -445,7 +425,7 @@ async fn a_hundred_streams_at_once_within_their_memory_budget() {
         clients.push(stream);
     }
     let pinned = pinned_bytes().saturating_sub(before);
-    let budget = 2 * STREAMS as u64 * PER_END;
+    let budget = 2 * STREAMS as u64 * PINNED_PER_END;
     eprintln!(
         "{STREAMS} streams (both ends here): {} MiB pinned, budget {} MiB",
         pinned >> 20,
@@ -478,11 +458,14 @@ async fn a_hundred_streams_at_once_within_their_memory_budget() {
     drop(listener);
     // Closed: the memory goes back (the drivers end once their Close went).
     let started = Instant::now();
-    while pinned_bytes() > before + PER_END && started.elapsed() < Duration::from_secs(30) {
+    while pinned_bytes() > before + PINNED_PER_END && started.elapsed() < Duration::from_secs(30) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let left = pinned_bytes().saturating_sub(before);
-    assert!(left <= PER_END, "{left} bytes still pinned after closing");
+    assert!(
+        left <= PINNED_PER_END,
+        "{left} bytes still pinned after closing"
+    );
 }
 
 /// Writes `total` bytes of stream `seed` in 16 KiB writes, then half-closes.

@@ -103,3 +103,24 @@ impl TestEnv {
         (client.expect("connects"), server.expect("accepts"))
     }
 }
+
+/// Registered bytes of one connection end with the default settings on
+/// both sides: receive ring 64 x 8 KiB, send slots for the peer's ring
+/// plus 8 control and chunk slots, the 1 MiB region and a 1 MiB staging
+/// region.
+pub const PINNED_PER_END: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
+
+/// `VmPin` of this process (memory pinned by verbs registrations), bytes.
+pub fn pinned_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmPin:"))
+        .expect("/proc/self/status has VmPin");
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable {line:?}"));
+    kib * 1024
+}
