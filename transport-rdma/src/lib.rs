@@ -507,31 +507,31 @@ async fn accept_loop<T: Send + 'static>(
 /// it (telling the client why) and returns `None`, or returns what the
 /// set-up needs.
 fn admit(
-    id: CmId,
+    mut id: CmId,
     private_data: &[u8],
     cfg: &RdmaTransport,
     admission: &Arc<Admission>,
     log: &mut RefusalLog,
 ) -> Option<(CmId, Hello, Lease, Handshake)> {
-    let mut id = id;
-    let peer_addr = id
-        .peer_addr()
-        .map_or_else(|| "?".to_string(), |a| a.to_string());
+    let peer_addr = |id: &CmId| {
+        id.peer_addr()
+            .map_or_else(|| "?".to_string(), |a| a.to_string())
+    };
     let refused = match Hello::decode(private_data, &cfg.hello_limits()) {
         Err(e) => {
-            log.refused(&peer_addr, &e);
+            log.refused(&peer_addr(&id), &e);
             Refused::BadHello
         }
         Ok(peer) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
             Ok((lease, handshake)) => return Some((id, peer, lease, handshake)),
             Err(refused) => {
-                log.refused(&peer_addr, &refused);
+                log.refused(&peer_addr(&id), &refused);
                 refused
             }
         },
     };
     if let Err(e) = id.reject(&refused.to_bytes()) {
-        tracing::warn!("rdma: rejecting {peer_addr}: {e}");
+        tracing::warn!("rdma: rejecting {}: {e}", peer_addr(&id));
     }
     None
 }

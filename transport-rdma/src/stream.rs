@@ -230,7 +230,12 @@ impl RdmaWriteHalf {
         self.sink.peer()
     }
 
-    fn poll_send(&mut self, cx: &mut Context<'_>, bufs: &[&[u8]]) -> Poll<io::Result<usize>> {
+    /// Sends what `bufs` hold, up to one message's worth, as one message.
+    fn poll_send<B: std::ops::Deref<Target = [u8]>>(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[B],
+    ) -> Poll<io::Result<usize>> {
         if self.shut_down {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -274,9 +279,7 @@ impl AsyncWrite for RdmaWriteHalf {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        // At most a few dozen slices in practice (hyper: head + body chunks).
-        let slices: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
-        self.get_mut().poll_send(cx, &slices)
+        self.get_mut().poll_send(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {

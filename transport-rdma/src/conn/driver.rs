@@ -225,8 +225,8 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             () = shared.wake_task.notified() => {}
             () = linger => {}
             _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
+                let period = keepalive.as_ref().expect("checked").period();
                 let mut st = shared.lock();
-                let period = d.keepalive.unwrap_or_default();
                 if std::mem::replace(&mut seen_at_tick, st.completions) != st.completions {
                     probe_unanswered = false;
                 } else if probe_unanswered {
