@@ -94,12 +94,17 @@ pub struct Connection {
     pub source: Box<dyn FrameSource>,
     /// The peer, for logs and errors (`tcp://10.0.0.5:7000`).
     pub peer: String,
+    /// Who the peer proved to be, where the transport authenticates peers
+    /// (a TLS client certificate's name, an RDMA peer that proved the shared
+    /// secret); `None` where it does not.
+    pub identity: Option<String>,
 }
 
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Connection")
             .field("peer", &self.peer)
+            .field("identity", &self.identity)
             .finish_non_exhaustive()
     }
 }

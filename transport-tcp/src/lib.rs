@@ -192,6 +192,7 @@ impl TcpTransport {
                 received,
             }),
             peer,
+            identity: None,
         })
     }
 }

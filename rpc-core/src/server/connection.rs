@@ -630,7 +630,10 @@ pub(super) async fn serve_connection(
 ) {
     let conn = Arc::new(ServerConn {
         sink: connection.sink,
-        peer_info: Arc::new(Peer::new(connection.peer.clone())),
+        peer_info: Arc::new(Peer::with_identity(
+            connection.peer.clone(),
+            connection.identity,
+        )),
         peer: connection.peer,
         routes,
         calls: Mutex::new(HashMap::new()),
@@ -765,6 +768,7 @@ mod tests {
                 Arc::clone(&taken),
             )),
             peer: "test".into(),
+            identity: None,
         };
         let routes = Arc::new(Routes {
             services: HashMap::new(),

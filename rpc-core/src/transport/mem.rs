@@ -56,6 +56,7 @@ impl Transport for MemTransport {
                     limits,
                 }),
                 peer: "mem://client".into(),
+                identity: None,
             };
             accept
                 .send(server_side)
@@ -67,6 +68,7 @@ impl Transport for MemTransport {
                     limits,
                 }),
                 peer: format!("mem://{name}"),
+                identity: None,
             })
         })
     }

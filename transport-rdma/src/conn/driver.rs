@@ -58,6 +58,7 @@ pub(crate) fn start(
         sink: Arc::new(sink),
         source: Box::new(source),
         peer,
+        identity: None,
     })
 }
 
