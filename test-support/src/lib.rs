@@ -132,6 +132,12 @@ impl Service for TestService {
                     Ok(Response::new(Bytes::from(peer.unwrap_or_default())))
                 })
             }
+            "Identity" => {
+                codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
+                    let identity = request.peer().and_then(|p| p.identity().map(str::to_string));
+                    Ok(Response::new(Bytes::from(identity.unwrap_or_default())))
+                })
+            }
             "Fail" => {
                 codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
                     let mut status = Status::not_found("nothing here");
