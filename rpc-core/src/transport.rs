@@ -13,6 +13,9 @@
 //!
 //! Transports are found by scheme in a process-wide registry: a program calls
 //! e.g. `transport_tcp::install()` once, and every `tcp://` address works.
+//!
+//! What the runtime counts about connections (per scheme), and what
+//! transports report about themselves, is in [`stats`], for metrics.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -27,6 +30,7 @@ use bytes::Bytes;
 use crate::frame::OutFrame;
 
 pub mod mem;
+pub mod stats;
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -49,6 +53,15 @@ pub trait Transport: Send + Sync + 'static {
         authority: &'a str,
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>>;
+
+    /// What this transport reports about itself for metrics, read at each
+    /// scrape (not on any call's path): e.g. RDMA's pinned memory and
+    /// device events. None by default. The runtime counts what every
+    /// transport has (connections, reconnects, send stalls) itself: see
+    /// [`stats`].
+    fn stats(&self) -> Vec<stats::TransportStat> {
+        Vec::new()
+    }
 }
 
 /// Limits a connection's frames must respect, set by the runtime from its configuration.

@@ -13,6 +13,7 @@ use crate::keepalive::{Keepalive, KeepaliveTimer, Tick};
 use crate::message::Inbound;
 use crate::metadata::MetadataMap;
 use crate::status::Status;
+use crate::transport::stats::ConnectionCounters;
 use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
 
 use super::endpoint::ChannelConfig;
@@ -118,9 +119,15 @@ pub(super) fn split_id(id: u64) -> (usize, u32) {
 }
 
 impl ClientConn {
-    pub(super) fn start(connection: Connection, config: &ChannelConfig) -> Arc<ClientConn> {
+    pub(super) fn start(
+        connection: Connection,
+        config: &ChannelConfig,
+        counters: &'static ConnectionCounters,
+    ) -> Arc<ClientConn> {
+        // Counted open while its reader runs: the connection ends with it.
+        let open = counters.opened();
         let conn = Arc::new(ClientConn {
-            sink: connection.sink,
+            sink: counters.count_stalls(connection.sink),
             peer: connection.peer,
             max_message_size: config.max_message_size,
             calls: Mutex::new(CallTable {
@@ -129,7 +136,11 @@ impl ClientConn {
                 phase: Phase::Open,
             }),
         });
-        tokio::spawn(Arc::clone(&conn).read_loop(connection.source, config.keepalive));
+        let reader = Arc::clone(&conn).read_loop(connection.source, config.keepalive);
+        tokio::spawn(async move {
+            let _open = open;
+            reader.await;
+        });
         conn
     }
 

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::intercept::Peer;
 use crate::status::Status;
+use crate::transport::stats::{ConnectionCounters, Side};
 use crate::transport::TransportError;
 
 use super::call_table::ClientConn;
@@ -65,6 +66,10 @@ struct Replica {
     connecting: Arc<tokio::sync::Mutex<()>>,
     /// What its health check last said (true until one says otherwise).
     serving: AtomicBool,
+    /// Whether it has had a connection: the next one is a reconnection.
+    connected_before: AtomicBool,
+    /// Its transport's client-side connection counters.
+    counters: &'static ConnectionCounters,
 }
 
 enum ConnState {
@@ -313,10 +318,12 @@ impl Replicas {
 impl Replica {
     fn new(endpoint: Endpoint) -> Arc<Replica> {
         Arc::new(Replica {
-            endpoint,
             state: Mutex::new(ConnState::Idle),
             connecting: Arc::new(tokio::sync::Mutex::new(())),
             serving: AtomicBool::new(true),
+            connected_before: AtomicBool::new(false),
+            counters: ConnectionCounters::of(endpoint.transport.scheme(), Side::Client),
+            endpoint,
         })
     }
 
@@ -359,17 +366,28 @@ impl Replica {
         let endpoint = &self.endpoint;
         let limits = frame_limits(endpoint.config.max_message_size);
         let connecting = endpoint.transport.connect(&endpoint.authority, limits);
-        match tokio::time::timeout(endpoint.config.connect_timeout, connecting).await {
-            Ok(Ok(connection)) => Ok(ClientConn::start(connection, &endpoint.config)),
-            Ok(Err(source)) => Err(ConnectError::Transport {
+        let dialed = match tokio::time::timeout(endpoint.config.connect_timeout, connecting).await {
+            Ok(Ok(connection)) => {
+                if self.connected_before.swap(true, Ordering::Relaxed) {
+                    self.counters.reconnected();
+                }
+                return Ok(ClientConn::start(
+                    connection,
+                    &endpoint.config,
+                    self.counters,
+                ));
+            }
+            Ok(Err(source)) => ConnectError::Transport {
                 address: endpoint.address.clone(),
                 source,
-            }),
-            Err(_) => Err(ConnectError::Timeout {
+            },
+            Err(_) => ConnectError::Timeout {
                 address: endpoint.address.clone(),
                 timeout: endpoint.config.connect_timeout,
-            }),
-        }
+            },
+        };
+        self.counters.connect_failed();
+        Err(dialed)
     }
 
     fn ready_connection(&self) -> Option<Arc<ClientConn>> {

@@ -628,8 +628,11 @@ pub(super) async fn serve_connection(
     connection: Connection,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // Counted open until this future ends or is dropped (a shutdown's
+    // grace ran out), the connection with it.
+    let _open = routes.counters.opened();
     let conn = Arc::new(ServerConn {
-        sink: connection.sink,
+        sink: routes.counters.count_stalls(connection.sink),
         peer_info: Arc::new(Peer::with_identity(
             connection.peer.clone(),
             connection.identity,
@@ -712,6 +715,7 @@ mod tests {
 
     use super::*;
     use crate::keepalive::Keepalive;
+    use crate::transport::stats::{ConnectionCounters, Side};
 
     /// A client that reads nothing: its connection never has room.
     struct FullSink;
@@ -780,6 +784,7 @@ mod tests {
             }),
             max_concurrent_calls: Some(1),
             interceptors: Vec::new(),
+            counters: ConnectionCounters::of("full-sink-test", Side::Server),
         });
         let (_shutdown_tx, shutdown) = watch::channel(false);
         tokio::time::timeout(

@@ -26,6 +26,7 @@ use crate::client::{
 use crate::flow::{DEFAULT_STREAM_WINDOW, INITIAL_STREAM_WINDOW};
 use crate::intercept::{Interceptor, Scoped};
 use crate::keepalive::{Keepalive, DEFAULT_KEEPALIVE};
+use crate::transport::stats::{ConnectionCounters, Side};
 use crate::transport::{BoxFuture, Listener, TransportError};
 
 use connection::serve_connection;
@@ -234,6 +235,7 @@ impl ServerBuilder {
                 keepalive: self.keepalive,
                 max_concurrent_calls: self.max_concurrent_calls,
                 interceptors: self.interceptors,
+                counters: ConnectionCounters::of(transport.scheme(), Side::Server),
             }),
             shutdown_grace: self.shutdown_grace,
         })
@@ -261,6 +263,8 @@ struct Routes {
     keepalive: Option<Keepalive>,
     max_concurrent_calls: Option<usize>,
     interceptors: Vec<Scoped>,
+    /// Its transport's server-side connection counters.
+    counters: &'static ConnectionCounters,
 }
 
 /// A server listening on an address, not yet serving.
