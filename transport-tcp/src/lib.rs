@@ -56,7 +56,9 @@ mod budget;
 pub mod reader;
 
 use std::fs::File;
+use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::mem;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,7 +75,8 @@ use rpc_core::transport::{
 
 use budget::ReadBudget;
 use reader::FrameReader;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::AsyncRead;
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
@@ -165,6 +168,24 @@ impl TcpTransport {
             .map(|a| format!("tcp://{a}"))
             .map_err(|e| TransportError::io("read peer address", e))?;
         let (read, write) = stream.into_split();
+        Ok(self.connection(read, write, peer, None, limits))
+    }
+
+    /// A connection over a byte stream's two halves (a TCP socket's, or a
+    /// TLS session's over one), with this transport's settings. Generic, so
+    /// the plain TCP path pays nothing for the TLS one.
+    fn connection<R, W>(
+        &self,
+        read: R,
+        write: W,
+        peer: String,
+        identity: Option<String>,
+        limits: FrameLimits,
+    ) -> Connection
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: WriteHalf,
+    {
         let received = Arc::new(AtomicBool::new(true));
         let shared = Arc::new(SinkShared {
             state: Mutex::new(SinkState {
@@ -182,7 +203,7 @@ impl TcpTransport {
             received: Arc::clone(&received),
         });
         tokio::spawn(write_loop(Arc::clone(&shared)));
-        Ok(Connection {
+        Connection {
             sink: Arc::new(TcpSink { shared }),
             source: Box::new(TcpSource {
                 socket: read,
@@ -192,8 +213,8 @@ impl TcpTransport {
                 received,
             }),
             peer,
-            identity: None,
-        })
+            identity,
+        }
     }
 }
 
@@ -221,35 +242,25 @@ impl Transport for TcpTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
-            let listener = TcpListener::bind(authority)
-                .await
-                .map_err(|e| TransportError::io(format!("bind tcp://{authority}"), e))?;
-            let local = listener
-                .local_addr()
-                .map_err(|e| TransportError::io("read bound address", e))?;
             Ok(Box::new(TcpFrameListener {
-                listener,
-                local: format!("tcp://{local}"),
+                accept: AcceptLoop::bind("tcp", authority).await?,
                 transport: self.clone(),
                 limits,
-                spare_fd: File::open("/dev/null").ok(),
-                refused: 0,
             }) as Box<dyn Listener>)
         })
     }
 }
 
-/// Accepts connections. Errors that concern one connection only (it was
-/// reset or aborted before or while it was set up) drop that connection
-/// and go on at once: they never reach the server's accept loop. At the
-/// process's file-descriptor limit, new connections are refused at once
-/// rather than left waiting in the backlog, using a descriptor kept in
-/// reserve for that (see [`Listener::poll_accept`]'s errors below).
-struct TcpFrameListener {
+/// Accepts TCP connections, for `tcp://` and `tls://` listeners alike.
+/// Errors that concern one connection only (it was reset or aborted before
+/// it was accepted) drop that connection and go on at once: they never
+/// reach the server's accept loop. At the process's file-descriptor limit,
+/// new connections are refused at once rather than left waiting in the
+/// backlog, using a descriptor kept in reserve for that (see
+/// [`AcceptLoop::poll_next`]).
+struct AcceptLoop {
     listener: TcpListener,
     local: String,
-    transport: TcpTransport,
-    limits: FrameLimits,
     /// A descriptor held in reserve: closed to accept (and at once close)
     /// a connection when the process is out of descriptors.
     spare_fd: Option<File>,
@@ -257,7 +268,23 @@ struct TcpFrameListener {
     refused: u64,
 }
 
-impl TcpFrameListener {
+impl AcceptLoop {
+    /// Listens on `authority`; `local` is `scheme://` and the address bound.
+    async fn bind(scheme: &str, authority: &str) -> Result<AcceptLoop, TransportError> {
+        let listener = TcpListener::bind(authority)
+            .await
+            .map_err(|e| TransportError::io(format!("bind {scheme}://{authority}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| TransportError::io("read bound address", e))?;
+        Ok(AcceptLoop {
+            listener,
+            local: format!("{scheme}://{local}"),
+            spare_fd: File::open("/dev/null").ok(),
+            refused: 0,
+        })
+    }
+
     /// Out of descriptors: closes the spare one, accepts the waiting
     /// connection with it and closes that at once (its client sees the
     /// connection end instead of waiting in the backlog), then takes the
@@ -301,13 +328,16 @@ fn out_of_descriptors(error: &io::Error) -> bool {
     matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
-impl Listener for TcpFrameListener {
-    /// The next connection. Returns an error only for what concerns the
+impl AcceptLoop {
+    /// The next TCP connection. Returns an error only for what concerns the
     /// listener: once when the process runs out of file descriptors
     /// (connections are then refused at once until one is accepted again),
     /// and for errors such as `ENOBUFS` or `ENOMEM`, after which the server
     /// backs off briefly.
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
+    fn poll_next(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(TcpStream, SocketAddr), TransportError>> {
         loop {
             match ready!(self.listener.poll_accept(cx)) {
                 Ok((stream, from)) => {
@@ -322,11 +352,7 @@ impl Listener for TcpFrameListener {
                     if self.spare_fd.is_none() {
                         self.spare_fd = File::open("/dev/null").ok();
                     }
-                    match self.transport.wrap(stream, self.limits) {
-                        Ok(connection) => return Poll::Ready(Ok(connection)),
-                        // Reset by its client before it could be set up.
-                        Err(error) => tracing::debug!(%from, "dropped a new connection: {error}"),
-                    }
+                    return Poll::Ready(Ok((stream, from)));
                 }
                 Err(error) if concerns_one_connection(&error) => {
                     tracing::debug!(address = %self.local, "a connection failed before it was accepted: {error}");
@@ -355,9 +381,31 @@ impl Listener for TcpFrameListener {
             }
         }
     }
+}
+
+/// A `tcp://` listener: each TCP connection accepted becomes a [`Connection`].
+struct TcpFrameListener {
+    accept: AcceptLoop,
+    transport: TcpTransport,
+    limits: FrameLimits,
+}
+
+impl Listener for TcpFrameListener {
+    /// The next connection; errors as [`AcceptLoop::poll_next`]'s. A
+    /// connection reset before it could be set up is dropped quietly.
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connection, TransportError>> {
+        loop {
+            let (stream, from) = ready!(self.accept.poll_next(cx))?;
+            match self.transport.wrap(stream, self.limits) {
+                Ok(connection) => return Poll::Ready(Ok(connection)),
+                // Reset by its client before it could be set up.
+                Err(error) => tracing::debug!(%from, "dropped a new connection: {error}"),
+            }
+        }
+    }
 
     fn local_addr(&self) -> String {
-        self.local.clone()
+        self.accept.local.clone()
     }
 }
 
@@ -376,10 +424,52 @@ fn nofile_limit() -> String {
     }
 }
 
-struct SinkShared {
+/// The sending half of a byte stream as a connection's sink writes it: a
+/// TCP socket's ([`OwnedWriteHalf`]), or a TLS session's over one. Only
+/// the writer [`SinkState::writer`] names calls it, so one at a time.
+pub(crate) trait WriteHalf: Send + Sync + 'static {
+    /// Writes what the stream takes now, without waiting: how many bytes it
+    /// took, or `WouldBlock` when it takes none.
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize>;
+
+    /// Sends, without waiting, what was taken but is still held back (TLS
+    /// records the socket had no room for); true when nothing is left.
+    /// Plain TCP holds nothing back: always true.
+    fn try_flush(&self) -> io::Result<bool>;
+
+    /// Waits until the socket has room again.
+    fn writable(&self) -> impl Future<Output = io::Result<()>> + Send + '_;
+
+    /// Starts an orderly end (TLS queues its `close_notify`), sent by the
+    /// next flush. Plain TCP has nothing to send.
+    fn start_close(&self) {}
+
+    /// Shuts the socket's sending side: the peer reads end-of-stream.
+    fn shutdown_write(&self);
+}
+
+impl WriteHalf for OwnedWriteHalf {
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+        OwnedWriteHalf::try_write(self, bytes)
+    }
+
+    fn try_flush(&self) -> io::Result<bool> {
+        Ok(true)
+    }
+
+    fn writable(&self) -> impl Future<Output = io::Result<()>> + Send + '_ {
+        OwnedWriteHalf::writable(self)
+    }
+
+    fn shutdown_write(&self) {
+        let _ = socket2::SockRef::from(self.as_ref()).shutdown(std::net::Shutdown::Write);
+    }
+}
+
+struct SinkShared<W> {
     state: Mutex<SinkState>,
     /// Written by whoever [`SinkState::writer`] says owns it.
-    socket: OwnedWriteHalf,
+    socket: W,
     wake_writer: Notify,
     high_water: usize,
     /// Set by the reader whenever it hands up a frame, cleared by each send;
@@ -444,7 +534,7 @@ impl SinkState {
     }
 }
 
-impl SinkShared {
+impl<W: WriteHalf> SinkShared<W> {
     fn lock(&self) -> std::sync::MutexGuard<'_, SinkState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -470,18 +560,22 @@ impl SinkShared {
         out.put_u32_le(prefix);
         frame.encode(&mut out);
         mem::forget(encoding);
-        let written = try_write_all(&self.socket, &out);
+        let written = try_write_all(&self.socket, &out)
+            .and_then(|n| Ok((n, n == out.len() && self.socket.try_flush()?)));
+        let all_out = matches!(written, Ok((_, true)));
         let mut state = self.lock();
         match written {
-            Ok(n) if n == out.len() => {
+            Ok((_, true)) => {
                 out.clear();
                 if out.capacity() <= self.max_kept_capacity() {
                     state.spare = out;
                 }
             }
-            Ok(n) => {
+            Ok((n, false)) => {
                 // The socket is full: the writer task finishes this frame
-                // (before anything queued meanwhile) once it has room.
+                // (before anything queued meanwhile) once it has room; over
+                // TLS, the rest may be records held back (`unfinished` is
+                // then empty and the task flushes them).
                 out.advance(n);
                 state.unfinished = out;
             }
@@ -491,7 +585,7 @@ impl SinkShared {
                 return Err(TransportError::io("write to peer", error));
             }
         }
-        if state.unfinished.is_empty() && state.queued.is_empty() && !state.closed {
+        if all_out && state.queued.is_empty() && !state.closed {
             state.writer = Writer::Idle;
         } else {
             state.hand_to_task(&self.wake_writer);
@@ -502,9 +596,9 @@ impl SinkShared {
 
 /// Gives the socket up if encoding an inline frame panics (a payload's
 /// `encode_payload` is user code), before any of it was written.
-struct ReleaseOnUnwind<'a>(&'a SinkShared);
+struct ReleaseOnUnwind<'a, W: WriteHalf>(&'a SinkShared<W>);
 
-impl Drop for ReleaseOnUnwind<'_> {
+impl<W: WriteHalf> Drop for ReleaseOnUnwind<'_, W> {
     fn drop(&mut self) {
         let mut state = self.0.lock();
         if state.queued.is_empty() && !state.closed {
@@ -516,7 +610,7 @@ impl Drop for ReleaseOnUnwind<'_> {
 }
 
 /// Writes as much of `bytes` as the socket takes without waiting.
-fn try_write_all(socket: &OwnedWriteHalf, bytes: &[u8]) -> io::Result<usize> {
+fn try_write_all<W: WriteHalf>(socket: &W, bytes: &[u8]) -> io::Result<usize> {
     let mut written = 0;
     while written < bytes.len() {
         match socket.try_write(&bytes[written..]) {
@@ -530,11 +624,11 @@ fn try_write_all(socket: &OwnedWriteHalf, bytes: &[u8]) -> io::Result<usize> {
     Ok(written)
 }
 
-struct TcpSink {
-    shared: Arc<SinkShared>,
+struct TcpSink<W: WriteHalf> {
+    shared: Arc<SinkShared<W>>,
 }
 
-impl FrameSink for TcpSink {
+impl<W: WriteHalf> FrameSink for TcpSink<W> {
     fn poll_send(
         &self,
         cx: &mut Context<'_>,
@@ -592,7 +686,7 @@ impl FrameSink for TcpSink {
     }
 }
 
-impl Drop for TcpSink {
+impl<W: WriteHalf> Drop for TcpSink<W> {
     fn drop(&mut self) {
         self.close();
     }
@@ -603,7 +697,7 @@ impl Drop for TcpSink {
 /// close. Before each batch it yields once, so that the tasks made ready
 /// with the sender that woke it queue their frames first and leave in the
 /// same `write`.
-async fn write_loop(shared: Arc<SinkShared>) {
+async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
     let mut batch = BytesMut::new();
     loop {
         // Wait until an inline sender or `close` hands the socket over.
@@ -622,7 +716,7 @@ async fn write_loop(shared: Arc<SinkShared>) {
         }
         loop {
             tokio::task::yield_now().await;
-            let closed = {
+            let (closed, flushed) = {
                 let mut state = shared.lock();
                 if state.failed.is_some() {
                     return;
@@ -635,19 +729,33 @@ async fn write_loop(shared: Arc<SinkShared>) {
                         waiter.wake();
                     }
                 }
+                // Idle only once every byte taken is out (over TLS, an
+                // inline write may have left records held back).
+                let mut flushed = true;
                 if batch.is_empty() && !state.closed {
-                    state.writer = Writer::Idle;
+                    match shared.socket.try_flush() {
+                        Ok(true) => state.writer = Writer::Idle,
+                        Ok(false) => flushed = false,
+                        Err(error) => {
+                            state.fail(&error);
+                            return;
+                        }
+                    }
                 }
-                state.closed
+                (state.closed, flushed)
             };
             if batch.is_empty() {
                 if closed {
                     // Every accepted frame is out: the peer sees end-of-stream.
-                    let _ = socket2::SockRef::from(shared.socket.as_ref())
-                        .shutdown(std::net::Shutdown::Write);
+                    shared.socket.start_close();
+                    if write_all(&shared.socket, &[]).await.is_ok() {
+                        shared.socket.shutdown_write();
+                    }
                     return;
                 }
-                break;
+                if flushed {
+                    break;
+                }
             }
             if let Err(error) = write_all(&shared.socket, &batch).await {
                 shared.lock().fail(&error);
@@ -661,20 +769,23 @@ async fn write_loop(shared: Arc<SinkShared>) {
     }
 }
 
-/// Writes all of `bytes`, waiting for room in the socket as needed.
-async fn write_all(socket: &OwnedWriteHalf, mut bytes: &[u8]) -> io::Result<()> {
-    while !bytes.is_empty() {
-        socket.writable().await?;
+/// Writes all of `bytes` and flushes what the stream held back, waiting
+/// for room in the socket as needed.
+async fn write_all<W: WriteHalf>(socket: &W, mut bytes: &[u8]) -> io::Result<()> {
+    loop {
         let n = try_write_all(socket, bytes)?;
         bytes = &bytes[n..];
+        if bytes.is_empty() && socket.try_flush()? {
+            return Ok(());
+        }
+        socket.writable().await?;
     }
-    Ok(())
 }
 
 /// The receiving half: a [`FrameReader`] over the socket, claiming the
 /// transport's [`read budget`](TcpTransport::read_budget) for large frames.
-struct TcpSource {
-    socket: OwnedReadHalf,
+struct TcpSource<R> {
+    socket: R,
     reader: FrameReader,
     budget: Arc<ReadBudget>,
     /// The budget claimed for the large frame being received (0: none).
@@ -683,13 +794,13 @@ struct TcpSource {
     received: Arc<AtomicBool>,
 }
 
-impl TcpSource {
+impl<R> TcpSource<R> {
     fn release_claim(&mut self) {
         self.budget.release(mem::take(&mut self.claimed));
     }
 }
 
-impl FrameSource for TcpSource {
+impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         loop {
             match self.reader.next_frame() {
@@ -714,12 +825,18 @@ impl FrameSource for TcpSource {
                     self.claimed = len;
                 }
             }
-            let read = ready!(tokio_util::io::poll_read_buf(
+            let read = match ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.socket),
                 cx,
                 self.reader.read_buf()
-            ))
-            .map_err(|e| TransportError::io("read from peer", e))?;
+            )) {
+                Ok(read) => read,
+                // TLS: the peer's socket closed without a `close_notify`
+                // (it died, or was killed): an end like TCP's, an orderly
+                // one only at a frame boundary. Plain TCP never reads this.
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => 0,
+                Err(e) => return Poll::Ready(Err(TransportError::io("read from peer", e))),
+            };
             if read == 0 {
                 return Poll::Ready(self.reader.end_of_stream());
             }
@@ -727,7 +844,7 @@ impl FrameSource for TcpSource {
     }
 }
 
-impl Drop for TcpSource {
+impl<R> Drop for TcpSource<R> {
     fn drop(&mut self) {
         self.release_claim();
     }
