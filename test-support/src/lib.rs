@@ -70,7 +70,7 @@ impl Probes {
     }
 }
 
-/// `test.Test`: Echo, Peer (answers the client's address), Fail, Sleep, Panic (unary); Count (server streaming);
+/// `test.Test`: Echo, Peer (answers the client's address), Identity (the identity its transport proved), Fail, Sleep, Panic (unary); Count (server streaming);
 /// Sum (client streaming); Chat (bidi); Hold (client streaming that waits before reading).
 #[derive(Clone, Default)]
 pub struct TestService {

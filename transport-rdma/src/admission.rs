@@ -1,6 +1,7 @@
 //! Admission control of a listener: what it lets a connecting client cost,
 //! checked from the client's hello before anything is allocated for it.
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -141,9 +142,100 @@ impl RefusalLog {
     }
 }
 
+/// An address or a network (`10.0.0.5`, `10.0.0.0/24`) on a listener's
+/// allow-list (see [`RdmaTransport::allow_peers`]).
+///
+/// [`RdmaTransport::allow_peers`]: crate::RdmaTransport::allow_peers
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpPrefix {
+    addr: IpAddr,
+    len: u8,
+}
+
+impl IpPrefix {
+    /// Whether `ip` lies in this prefix.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.len)).unwrap_or(0);
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.len))
+                    .unwrap_or(0);
+                u128::from(net) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::str::FromStr for IpPrefix {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<IpPrefix, String> {
+        let bad =
+            |why: &str| format!("{s:?} is not an address or a network like 10.0.0.0/24: {why}");
+        let (addr, len) = match s.split_once('/') {
+            Some((addr, len)) => (addr, Some(len)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr.parse().map_err(|e| bad(&format!("{e}")))?;
+        let addr = addr.to_canonical();
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match len {
+            None => max,
+            Some(len) => len
+                .parse::<u8>()
+                .ok()
+                .filter(|&len| len <= max)
+                .ok_or_else(|| bad(&format!("the prefix length is not 0..={max}")))?,
+        };
+        Ok(IpPrefix { addr, len })
+    }
+}
+
+impl std::fmt::Display for IpPrefix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefixes_parse_and_match() {
+        let net: IpPrefix = "10.77.0.0/16".parse().unwrap();
+        assert!(net.contains("10.77.3.4".parse().unwrap()));
+        assert!(!net.contains("10.78.0.1".parse().unwrap()));
+        assert!(
+            net.contains("::ffff:10.77.0.9".parse().unwrap()),
+            "IPv4-mapped"
+        );
+        let one: IpPrefix = "10.77.0.2".parse().unwrap();
+        assert_eq!(one.to_string(), "10.77.0.2/32");
+        assert!(one.contains("10.77.0.2".parse().unwrap()));
+        assert!(!one.contains("10.77.0.3".parse().unwrap()));
+        let all: IpPrefix = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("192.168.1.1".parse().unwrap()));
+        assert!(!all.contains("fe80::1".parse().unwrap()));
+        let v6: IpPrefix = "fd00::/8".parse().unwrap();
+        assert!(v6.contains("fd12::1".parse().unwrap()));
+        for bad in [
+            "10.0.0.0/33",
+            "10.0.0/8",
+            "host",
+            "10.0.0.0/x",
+            "fd00::/129",
+        ] {
+            let err = bad.parse::<IpPrefix>().unwrap_err();
+            assert!(err.contains(bad), "{err}");
+        }
+    }
 
     fn admission(max_connections: usize, max_handshakes: usize, max_pinned: u64) -> Arc<Admission> {
         Admission::new(AdmissionLimits {

@@ -102,6 +102,37 @@
 //! serves the others. A closed connection gives its share back once its
 //! memory is freed.
 //!
+//! # Authentication
+//! RDMA has no TLS. A listener can admit only clients that prove a shared
+//! secret ([`RdmaTransport::auth_secret`], on both sides) and only from
+//! allowed addresses ([`RdmaTransport::allow_peers`]); both are checked
+//! before anything is allocated for a client, and a refused client's
+//! connect fails with `PermissionDenied` saying why:
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use transport_rdma::{RdmaTransport, SharedSecret};
+//!
+//! let secret = SharedSecret::from_file("/etc/my-service/rdma.secret")?;
+//! let transport = RdmaTransport::default()
+//!     .auth_secret(Some(secret))
+//!     .allow_peers(["10.0.0.0/16".parse()?]);
+//! rpc_core::transport::register(std::sync::Arc::new(transport));
+//! # Ok(()) }
+//! ```
+//!
+//! The proof is an HMAC challenge–response in the connection manager's
+//! private data: the listener answers a first connect request with a
+//! challenge (keeping no state for it), the client connects again with
+//! the proof, and the listener's accept proves the secret back; each
+//! challenge admits one connection, so a recorded exchange cannot be
+//! replayed. It keeps clients without the secret from getting a connection
+//! (no handler of theirs runs), and clients from talking to an endpoint
+//! without it. It does not encrypt or sign what connections carry: an
+//! attacker who can rewrite packets on the fabric can read and change
+//! them, and an address on the allow-list can be spoofed on a network
+//! that does not prevent it. See [`proto::auth`].
+//!
 //! # Thread safety
 //! The sink is shared by every task sending on the connection (a mutex
 //! guards the protocol state and the queue pair); each connection has one
@@ -127,12 +158,14 @@ mod registry;
 pub mod stream;
 pub mod verbs;
 
+pub use admission::IpPrefix;
+pub use proto::auth::{SecretError, SharedSecret};
 pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, Listener, Transport, TransportError,
@@ -141,6 +174,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use crate::admission::{Admission, AdmissionLimits, Handshake, Lease, RefusalLog};
+use crate::proto::auth::{self, Gate, Proven};
 use crate::proto::{Hello, HelloLimits, Refused, HEADER_LEN};
 use crate::verbs::{CmId, EventChannel};
 
@@ -175,6 +209,8 @@ pub struct RdmaTransport {
     ack_timeout: Option<u8>,
     type_of_service: Option<u8>,
     source_address: Option<std::net::IpAddr>,
+    auth_secret: Option<SharedSecret>,
+    allowed_peers: Option<Arc<[IpPrefix]>>,
 }
 
 impl Default for RdmaTransport {
@@ -198,6 +234,8 @@ impl Default for RdmaTransport {
             ack_timeout: None,
             type_of_service: None,
             source_address: None,
+            auth_secret: None,
+            allowed_peers: None,
         }
     }
 }
@@ -300,6 +338,24 @@ impl RdmaTransport {
         self
     }
 
+    /// The secret clients and servers prove to each other when they
+    /// connect (default: none). A listener with a secret admits only
+    /// clients that prove the same one; a client with a secret connects
+    /// only to servers that prove it. See [Authentication](crate#authentication).
+    pub fn auth_secret(mut self, secret: Option<SharedSecret>) -> RdmaTransport {
+        self.auth_secret = secret;
+        self
+    }
+
+    /// The client addresses a listener admits (default: any); others are
+    /// refused before anything is allocated for them. With
+    /// [`auth_secret`](RdmaTransport::auth_secret) too, a client must pass
+    /// both.
+    pub fn allow_peers(mut self, peers: impl IntoIterator<Item = IpPrefix>) -> RdmaTransport {
+        self.allowed_peers = Some(peers.into_iter().collect());
+        self
+    }
+
     /// Limit of each connection set-up step (default 10 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> RdmaTransport {
         self.connect_timeout = timeout;
@@ -382,11 +438,19 @@ impl RdmaTransport {
             .map_err(|err| TransportError::io(ctx.clone(), err.into_parts().1))?;
         let (tx, rx) = mpsc::channel(16);
         let admission = Admission::new(self.admission);
+        let gate = match &self.auth_secret {
+            Some(secret) => Some(
+                Gate::new(secret.clone(), Instant::now())
+                    .map_err(|err| TransportError::io(format!("{ctx}: random key"), err))?,
+            ),
+            None => None,
+        };
         let task = tokio::spawn(accept_loop(
             fd,
             tx,
             self.clone(),
             admission,
+            gate,
             Arc::new(start),
         ));
         Ok(Accepting { rx, local, task })
@@ -440,6 +504,7 @@ async fn accept_loop<T: Send + 'static>(
     tx: mpsc::Sender<Result<T, TransportError>>,
     cfg: RdmaTransport,
     admission: Arc<Admission>,
+    mut gate: Option<Gate>,
     start: Arc<Start<T>>,
 ) {
     let mut refusals = RefusalLog::default();
@@ -464,13 +529,21 @@ async fn accept_loop<T: Send + 'static>(
                     break;
                 }
             };
-            let Some((id, peer, lease, handshake)) = admit(
+            let Some(Admitted {
+                id,
+                peer,
+                proven,
+                lease,
+                handshake,
+            }) = admit(
                 request.id,
                 &request.private_data,
                 &cfg,
                 &admission,
+                gate.as_mut(),
                 &mut refusals,
-            ) else {
+            )
+            else {
                 continue;
             };
             let cfg = cfg.clone();
@@ -480,7 +553,7 @@ async fn accept_loop<T: Send + 'static>(
                 let accepted = {
                     let cfg = cfg.clone();
                     tokio::task::spawn_blocking(move || {
-                        conn::accept_blocking(id, peer, lease, &cfg)
+                        conn::accept_blocking(id, peer, proven, lease, &cfg)
                     })
                     .await
                 };
@@ -502,38 +575,85 @@ async fn accept_loop<T: Send + 'static>(
     }
 }
 
-/// Checks a connect request against the listener's limits before
-/// anything is allocated for it: its hello, then its admission. Refuses
-/// it (telling the client why) and returns `None`, or returns what the
-/// set-up needs.
+/// A connect request the listener admitted: what its set-up needs.
+struct Admitted {
+    id: CmId,
+    peer: Hello,
+    /// The client's proof of the shared secret, if the listener has one.
+    proven: Option<Proven>,
+    lease: Lease,
+    handshake: Handshake,
+}
+
+/// Checks a connect request before anything is allocated for it: its
+/// hello, its address against the allow-list, its proof of the shared
+/// secret (a request without one is sent a challenge), then the
+/// listener's limits. Refuses it (telling the client why) and returns
+/// `None`, or returns what the set-up needs.
 fn admit(
     mut id: CmId,
     private_data: &[u8],
     cfg: &RdmaTransport,
     admission: &Arc<Admission>,
+    gate: Option<&mut Gate>,
     log: &mut RefusalLog,
-) -> Option<(CmId, Hello, Lease, Handshake)> {
-    let peer_addr = |id: &CmId| {
-        id.peer_addr()
-            .map_or_else(|| "?".to_string(), |a| a.to_string())
-    };
-    let refused = match Hello::decode(private_data, &cfg.hello_limits()) {
-        Err(e) => {
-            log.refused(&peer_addr(&id), &e);
-            Refused::BadHello
+) -> Option<Admitted> {
+    let peer_ip = id.peer_addr().map(|a| a.ip());
+    let peer_addr = || peer_ip.map_or_else(|| "?".to_string(), |ip| ip.to_string());
+    let refused = match check_request(private_data, peer_ip, cfg, gate) {
+        Err(Refused::Challenge(challenge)) => Refused::Challenge(challenge),
+        Err(refused) => {
+            log.refused(&peer_addr(), &refused);
+            refused
         }
-        Ok(peer) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
-            Ok((lease, handshake)) => return Some((id, peer, lease, handshake)),
+        Ok((peer, proven)) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
+            Ok((lease, handshake)) => {
+                return Some(Admitted {
+                    id,
+                    peer,
+                    proven,
+                    lease,
+                    handshake,
+                })
+            }
             Err(refused) => {
-                log.refused(&peer_addr(&id), &refused);
+                log.refused(&peer_addr(), &refused);
                 refused
             }
         },
     };
     if let Err(e) = id.reject(&refused.to_bytes()) {
-        tracing::warn!("rdma: rejecting {}: {e}", peer_addr(&id));
+        tracing::warn!("rdma: rejecting {}: {e}", peer_addr());
     }
     None
+}
+
+/// The hello, allow-list and proof checks of [`admit`].
+fn check_request(
+    private_data: &[u8],
+    peer_ip: Option<std::net::IpAddr>,
+    cfg: &RdmaTransport,
+    gate: Option<&mut Gate>,
+) -> Result<(Hello, Option<Proven>), Refused> {
+    let peer = Hello::decode(private_data, &cfg.hello_limits()).map_err(|e| {
+        tracing::debug!("rdma: a client's hello: {e}");
+        Refused::BadHello
+    })?;
+    if let Some(allowed) = &cfg.allowed_peers {
+        if !peer_ip.is_some_and(|ip| allowed.iter().any(|net| net.contains(ip))) {
+            return Err(Refused::NotAllowed);
+        }
+    }
+    let Some(gate) = gate else {
+        return Ok((peer, None));
+    };
+    let ip = peer_ip.ok_or(Refused::NotAllowed)?;
+    let now = Instant::now();
+    if auth::flags(private_data) & auth::FLAG_PROOF == 0 {
+        return Err(Refused::Challenge(gate.challenge(ip, now)));
+    }
+    let proven = gate.check(private_data, ip, now).map_err(Refused::Proof)?;
+    Ok((peer, Some(proven)))
 }
 
 /// A listening id's accepted connections, made into `T`s by its accept loop.

@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 use super::io_error;
 use super::state::{Buffers, Shared, State};
 use crate::admission::Lease;
+use crate::proto::auth::{self, Challenge, Proven};
 use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
 use crate::registry::Placement;
 use crate::verbs::{
@@ -47,6 +48,8 @@ pub(crate) struct Established {
     peer_addr: String,
     /// A server's connection: its share of the listener's admission.
     lease: Option<Lease>,
+    /// The peer proved the shared secret.
+    pub(super) authenticated: bool,
 }
 
 /// The device objects made before the hello exchange.
@@ -128,6 +131,7 @@ fn finish(
     peer: Hello,
     peer_addr: String,
     lease: Option<Lease>,
+    authenticated: bool,
 ) -> Result<Established, crate::verbs::Error> {
     let send = MemoryRegion::new(
         &half.pd,
@@ -146,16 +150,46 @@ fn finish(
         peer,
         peer_addr,
         lease,
+        authenticated,
     })
 }
 
-/// Client side, blocking: resolve, create, connect, exchange hellos.
+/// Client side, blocking: resolve, create, connect, exchange hellos; with
+/// a shared secret, answer the listener's challenge with a second connect.
 pub(crate) fn connect_blocking(
     addr: SocketAddr,
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
     let ctx = format!("connect to rdma://{addr}");
-    let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
+    let mut challenge = None;
+    loop {
+        match connect_once(addr, cfg, &ctx, challenge.as_ref())? {
+            Ok(est) => return Ok(est),
+            Err(_) if challenge.is_some() => {
+                return Err(TransportError::Protocol(format!(
+                    "{ctx}: the server answered a proof with another challenge"
+                )))
+            }
+            Err(next) => challenge = Some(next),
+        }
+    }
+}
+
+/// One connect: established, or challenged (`Ok(Err(challenge))`: connect
+/// again with the proof; only when this side has a secret).
+fn connect_once(
+    addr: SocketAddr,
+    cfg: &RdmaTransport,
+    ctx: &str,
+    challenge: Option<&Challenge>,
+) -> Result<Result<Established, Challenge>, TransportError> {
+    let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
+    let denied = |why: String| {
+        TransportError::io(
+            ctx.to_string(),
+            io::Error::new(io::ErrorKind::PermissionDenied, why),
+        )
+    };
     let channel = EventChannel::new().map_err(e)?;
     let mut id = CmId::new(&channel).map_err(e)?;
     if let Some(tos) = cfg.type_of_service {
@@ -167,36 +201,82 @@ pub(crate) fn connect_blocking(
         id.set_ack_timeout(exponent).map_err(e)?;
     }
     let half = make_half(&mut id, cfg).map_err(e)?;
-    let reply = id
-        .connect(&half.own.to_bytes(), cfg.connect_timeout)
-        .map_err(|err| match err {
-            crate::verbs::Error::Rejected {
-                status,
-                private_data,
-            } => {
-                let why = match Refused::decode(&private_data) {
-                    Some(refused) => format!("refused by the server: {refused}"),
-                    None => format!(
-                        "connection refused (reject status {status}): nothing listens there,                          or it is not an rdma-rpc server"
+    let request = match (&cfg.auth_secret, challenge) {
+        (Some(secret), Some(challenge)) => {
+            auth::proven_request(secret, half.own.to_bytes(), challenge).to_vec()
+        }
+        _ => half.own.to_bytes().to_vec(),
+    };
+    let reply = match id.connect(&request, cfg.connect_timeout) {
+        Ok(reply) => reply,
+        Err(crate::verbs::Error::Rejected {
+            status,
+            private_data,
+        }) => {
+            return Err(match Refused::decode(&private_data) {
+                Some(Refused::Challenge(next)) if cfg.auth_secret.is_some() => {
+                    return Ok(Err(next))
+                }
+                Some(
+                    refused @ (Refused::Challenge(_) | Refused::Proof(_) | Refused::NotAllowed),
+                ) => denied(format!("refused by the server: {refused}")),
+                Some(refused) => TransportError::io(
+                    ctx.to_string(),
+                    io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        format!("refused by the server: {refused}"),
                     ),
-                };
-                TransportError::io(ctx.clone(), io::Error::new(io::ErrorKind::ConnectionRefused, why))
-            }
-            other => e(other),
-        })?;
+                ),
+                None => TransportError::io(
+                    ctx.to_string(),
+                    io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        format!(
+                            "connection refused (reject status {status}): nothing listens there, \
+                             or it is not an rdma-rpc server"
+                        ),
+                    ),
+                ),
+            });
+        }
+        Err(other) => return Err(e(other)),
+    };
+    if let Some(secret) = &cfg.auth_secret {
+        // A request without a proof that was accepted: the server has no secret.
+        let checked = match <&[u8; auth::PROVEN_REQUEST_LEN]>::try_from(&request[..]) {
+            Ok(request) => auth::check_reply(secret, request, &reply),
+            Err(_) => Err(auth::UNPROVEN_SERVER),
+        };
+        if let Err(why) = checked {
+            let _ = id.disconnect();
+            return Err(denied(why.to_string()));
+        }
+    }
     let peer = Hello::decode(&reply, &cfg.hello_limits()).map_err(|p| {
         let _ = id.disconnect();
         TransportError::Protocol(format!("{ctx}: {p}"))
     })?;
-    finish(id, half, peer, format!("rdma://{addr}"), None).map_err(e)
+    let authenticated = cfg.auth_secret.is_some();
+    finish(
+        id,
+        half,
+        peer,
+        format!("rdma://{addr}"),
+        None,
+        authenticated,
+    )
+    .map(Ok)
+    .map_err(e)
 }
 
 /// Server side, blocking: move the request's id to its own channel,
-/// create, accept. The client's hello was validated, and the connection
-/// admitted (`lease`), by the listener.
+/// create, accept. The client's hello was validated, its proof checked
+/// (`proven`, when the listener has a secret), and the connection admitted
+/// (`lease`), by the listener.
 pub(crate) fn accept_blocking(
     mut id: CmId,
     peer: Hello,
+    proven: Option<Proven>,
     lease: Lease,
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
@@ -211,9 +291,13 @@ pub(crate) fn accept_blocking(
         id.set_ack_timeout(exponent).map_err(e)?;
     }
     let half = make_half(&mut id, cfg).map_err(e)?;
-    let mut est = finish(id, half, peer, peer_addr, Some(lease)).map_err(e)?;
+    let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some()).map_err(e)?;
     let own = est.own.to_bytes();
-    est.id.accept(&own, cfg.connect_timeout).map_err(e)?;
+    let reply = match (proven, &cfg.auth_secret) {
+        (Some(proven), Some(secret)) => proven.reply(secret, own).to_vec(),
+        _ => own.to_vec(),
+    };
+    est.id.accept(&reply, cfg.connect_timeout).map_err(e)?;
     Ok(est)
 }
 
@@ -243,6 +327,7 @@ impl Established {
             peer,
             peer_addr,
             lease,
+            authenticated: _,
         } = self;
         let inline_max = cfg
             .inline_threshold

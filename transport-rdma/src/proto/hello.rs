@@ -13,7 +13,8 @@ pub const HELLO_LEN: usize = 32;
 /// keeps posted (the peer's credits), and the region the peer may RDMA
 /// WRITE into.
 ///
-/// Layout (little-endian): `magic: u32, version: u16, reserved: u16 (0),
+/// Layout (little-endian): `magic: u32, version: u16, flags: u16 (see
+/// [`auth::FLAG_PROOF`](super::auth::FLAG_PROOF); 0 otherwise),
 /// ring_slots: u32, slot_size: u32, region_addr: u64, region_rkey: u32,
 /// region_len: u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,6 +34,7 @@
 //! `credits` receive slots and the sender's region `freed_to` position.
 //! `Credit` messages carry only those; `Close` ends the stream.
 
+pub mod auth;
 mod connection;
 mod credit;
 mod header;

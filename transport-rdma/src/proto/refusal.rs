@@ -1,10 +1,11 @@
 //! Why a server refused a connection, sent back in the connection
 //! manager's reject private data so the client can say why.
 
+use super::auth::{Challenge, ProofRefused, CHALLENGE_LEN};
 use super::hello::MAGIC;
 
 /// Encoded length of a [`Refused`].
-pub const REFUSED_LEN: usize = 16;
+pub const REFUSED_LEN: usize = 16 + CHALLENGE_LEN;
 
 /// Marks a refusal (where a [`Hello`](super::Hello) has its version).
 const REFUSAL_MARK: u16 = 0xFFFF;
@@ -12,7 +13,8 @@ const REFUSAL_MARK: u16 = 0xFFFF;
 /// Why a server refused a connection, and the limit that was hit.
 ///
 /// Layout (little-endian): `magic: u32, mark: u16 (0xFFFF), reason: u16,
-/// limit: u64`.
+/// limit: u64, challenge: [u8; 16]` (the limit, or the reason code of a
+/// refused proof; the challenge zero but in [`Refused::Challenge`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
     /// The listener has as many connections as it admits.
@@ -35,18 +37,32 @@ pub enum Refused {
     /// The client's hello was malformed, of another version or beyond the
     /// server's limits (the server logs which).
     BadHello,
+    /// The listener admits only clients that prove its shared secret:
+    /// connect again with the proof for this challenge (see
+    /// [`auth`](super::auth)).
+    Challenge(Challenge),
+    /// The client's proof of the shared secret was refused.
+    Proof(ProofRefused),
+    /// The client's address is not on the listener's allow-list.
+    NotAllowed,
 }
 
 impl Refused {
     /// Encodes the refusal.
     pub fn to_bytes(self) -> [u8; REFUSED_LEN] {
+        let mut b = [0; REFUSED_LEN];
         let (reason, limit): (u16, u64) = match self {
             Refused::TooManyConnections { limit } => (1, limit),
             Refused::TooManyHandshakes { limit } => (2, limit),
             Refused::OverPinnedBudget { limit } => (3, limit),
             Refused::BadHello => (4, 0),
+            Refused::Challenge(challenge) => {
+                b[16..].copy_from_slice(&challenge.0);
+                (5, 0)
+            }
+            Refused::Proof(why) => (6, why.code()),
+            Refused::NotAllowed => (7, 0),
         };
-        let mut b = [0; REFUSED_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&REFUSAL_MARK.to_le_bytes());
         b[6..8].copy_from_slice(&reason.to_le_bytes());
@@ -68,6 +84,9 @@ impl Refused {
             2 => Refused::TooManyHandshakes { limit },
             3 => Refused::OverPinnedBudget { limit },
             4 => Refused::BadHello,
+            5 => Refused::Challenge(Challenge(b[16..].try_into().expect("16 bytes"))),
+            6 => Refused::Proof(ProofRefused::from_code(limit)?),
+            7 => Refused::NotAllowed,
             _ => return None,
         })
     }
@@ -93,6 +112,16 @@ impl std::fmt::Display for Refused {
                 "the server did not accept this side's hello (protocol version or ring and \
                  region sizes beyond its limits)"
             ),
+            Refused::Challenge(_) => write!(
+                f,
+                "the server admits only clients that prove its shared secret \
+                 (RdmaTransport::auth_secret), and this side has none"
+            ),
+            Refused::Proof(why) => write!(f, "the server refused this side's proof: {why}"),
+            Refused::NotAllowed => write!(
+                f,
+                "this side's address is not on the server's allow-list (RdmaTransport::allow_peers)"
+            ),
         }
     }
 }
@@ -109,6 +138,9 @@ mod tests {
             Refused::TooManyHandshakes { limit: 64 },
             Refused::OverPinnedBudget { limit: 1 << 31 },
             Refused::BadHello,
+            Refused::Challenge(Challenge([7; CHALLENGE_LEN])),
+            Refused::Proof(ProofRefused::Replayed),
+            Refused::NotAllowed,
         ];
         for refused in all {
             let mut padded = refused.to_bytes().to_vec();
@@ -123,7 +155,7 @@ mod tests {
         }
         // Not ours: empty, short, another magic, a hello, an unknown reason.
         assert_eq!(Refused::decode(&[]), None);
-        assert_eq!(Refused::decode(&Refused::BadHello.to_bytes()[..15]), None);
+        assert_eq!(Refused::decode(&Refused::BadHello.to_bytes()[..31]), None);
         let mut other = Refused::BadHello.to_bytes();
         other[0] ^= 1;
         assert_eq!(Refused::decode(&other), None);

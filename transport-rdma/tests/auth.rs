@@ -1,0 +1,340 @@
+//! The authenticated handshake on a real device: a listener with a shared
+//! secret serves only clients that prove it (no handler of the others'
+//! runs), a client with a secret talks only to servers that prove it, an
+//! allow-list refuses other addresses, and a recorded proof cannot be
+//! replayed. Refused clients fail with `PermissionDenied` saying why.
+//!
+//! In a two-host run the RPC test runs across the hosts; the others run in
+//! each guest over its own device.
+
+mod common;
+
+use std::io::ErrorKind;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{Role, TestEnv};
+use rpc_core::{BytesCodec, Client, Endpoint, Request};
+use rpc_test_support::TestServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport_rdma::proto::auth::{self, ProofRefused};
+use transport_rdma::proto::{Hello, Refused};
+use transport_rdma::verbs::{self, CmId, EventChannel};
+use transport_rdma::{RdmaListener, RdmaTransport, SharedSecret};
+
+const RPC_PORT: u16 = 7511;
+
+fn secret(s: &str) -> SharedSecret {
+    SharedSecret::new(s).expect("long enough")
+}
+
+fn with_secret(s: &str) -> RdmaTransport {
+    RdmaTransport::default().auth_secret(Some(secret(s)))
+}
+
+fn register(transport: RdmaTransport) {
+    rpc_core::transport::register(Arc::new(transport));
+}
+
+/// One call of `method` on a new channel to `address`.
+async fn call(address: &str, method: &str) -> Result<Bytes, String> {
+    let channel = Endpoint::new(address)
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Client::new(channel)
+        .unary::<BytesCodec>(
+            &format!("/test.Test/{method}"),
+            Request::new(Bytes::from("hi")),
+        )
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| s.to_string())
+}
+
+/// Clients without the secret, or with another, are refused; clients with
+/// it are served, and their handler sees them as authenticated. The
+/// server counts the calls that reached it: only the authenticated ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn only_clients_that_prove_the_secret_get_a_handler_to_run() {
+    let env = TestEnv::from_env();
+    const KEY: &str = "the cluster's secret, 32 bytes..";
+    let reached = Arc::new(AtomicUsize::new(0));
+    let server = if env.role == Role::Client {
+        None
+    } else {
+        register(with_secret(KEY));
+        let port = if env.role == Role::Both { 0 } else { RPC_PORT };
+        let reached = Arc::clone(&reached);
+        Some(
+            TestServer::start(&format!("rdma://{}:{port}", env.ip), move |b| {
+                b.intercept(move |_: &mut rpc_core::intercept::CallHead<'_>| {
+                    reached.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                })
+            })
+            .await,
+        )
+    };
+    let authenticated_calls = 2;
+    if env.role == Role::Server {
+        let done = rpc_test_support::eventually(Duration::from_secs(120), || {
+            reached.load(Ordering::SeqCst) >= authenticated_calls
+        })
+        .await;
+        assert!(done, "the client's authenticated calls never came");
+        // The client's refused attempts came before its last call.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(reached.load(Ordering::SeqCst), authenticated_calls);
+        server.unwrap().stop().await;
+        return;
+    }
+    let address = match &server {
+        Some(server) => server.address.clone(),
+        None => format!("rdma://{}:{RPC_PORT}", env.peer.expect("checked")),
+    };
+    // With the secret (retrying while a two-host server starts).
+    register(with_secret(KEY));
+    let started = Instant::now();
+    let identity = loop {
+        match call(&address, "Identity").await {
+            Ok(identity) => break identity,
+            Err(e) if started.elapsed() < Duration::from_secs(90) => {
+                eprintln!("calling {address}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("an authenticated client was not served: {e}"),
+        }
+    };
+    assert_eq!(
+        &identity[..],
+        b"rdma-secret",
+        "the handler sees the proven peer"
+    );
+    // Without a secret, with another one: refused, saying why.
+    for (client, says) in [
+        (RdmaTransport::default(), "prove its shared secret"),
+        (
+            with_secret("another secret of 32 bytes......"),
+            "wrong proof",
+        ),
+    ] {
+        register(client);
+        let err = call(&address, "Echo")
+            .await
+            .expect_err("served without the secret");
+        assert!(err.contains(says), "{err:?} does not say {says:?}");
+    }
+    register(with_secret(KEY));
+    assert_eq!(&call(&address, "Echo").await.unwrap()[..], b"hi");
+    if let Some(server) = server {
+        assert_eq!(
+            reached.load(Ordering::SeqCst),
+            authenticated_calls,
+            "only the authenticated clients' calls reached the server"
+        );
+        server.stop().await;
+    }
+}
+
+async fn refused(client: &RdmaTransport, addr: &str, says: &str) {
+    let err = client.connect_stream(addr).await.expect_err("connected");
+    assert_eq!(err.kind(), ErrorKind::PermissionDenied, "{err}");
+    assert!(
+        err.to_string().contains(says),
+        "{err} does not say {says:?}"
+    );
+}
+
+async fn echo_once(listener: &mut RdmaListener, client: &RdmaTransport, addr: &str) {
+    let (client, server) = tokio::join!(client.connect_stream(addr), listener.accept());
+    let (mut client, mut server) = (client.expect("connects"), server.expect("accepts").0);
+    client.write_all(b"ping").await.unwrap();
+    let mut got = [0; 4];
+    server.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"ping");
+}
+
+/// Every mismatch between the two sides' settings is refused, with a
+/// reason naming it; matching sides connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
+    let env = TestEnv::from_env();
+    let key = "sixteen byte key";
+    let mut guarded = with_secret(key)
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let addr = guarded.local_addr().to_string();
+    refused(&RdmaTransport::default(), &addr, "prove its shared secret").await;
+    refused(&with_secret("another key, 16b"), &addr, "wrong proof").await;
+    let t = Instant::now();
+    echo_once(&mut guarded, &with_secret(key), &addr).await;
+    eprintln!("authenticated connect and echo: {:?}", t.elapsed());
+
+    let mut open = RdmaTransport::default()
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let open_addr = open.local_addr().to_string();
+    refused(&with_secret(key), &open_addr, "accepted without proving").await;
+    // The open listener did accept that client, which hung up at once.
+    let (mut dropped, _) = open.accept().await.expect("accepts");
+    let mut nothing = Vec::new();
+    let read = dropped.read_to_end(&mut nothing).await;
+    assert!(
+        nothing.is_empty() && read.is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
+        "the client that refused the server sent nothing and disconnected"
+    );
+    let t = Instant::now();
+    echo_once(&mut open, &RdmaTransport::default(), &open_addr).await;
+    eprintln!("plain connect and echo: {:?}", t.elapsed());
+
+    let elsewhere = RdmaTransport::default()
+        .allow_peers(["192.0.2.0/24".parse().unwrap()])
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    refused(
+        &RdmaTransport::default(),
+        elsewhere.local_addr(),
+        "allow-list",
+    )
+    .await;
+    let ours = format!("{}/32", env.ip).parse().unwrap();
+    let mut both = with_secret(key)
+        .allow_peers([ours])
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let both_addr = both.local_addr().to_string();
+    refused(
+        &RdmaTransport::default(),
+        &both_addr,
+        "prove its shared secret",
+    )
+    .await;
+    echo_once(&mut both, &with_secret(key), &both_addr).await;
+}
+
+/// A connect request with `private_data` and no queue pair: the listener's
+/// answer (a rejection), or whatever else ended it.
+fn raw_connect(addr: std::net::SocketAddr, private_data: &[u8]) -> Result<Vec<u8>, verbs::Error> {
+    let channel = EventChannel::new()?;
+    let mut id = CmId::new(&channel)?;
+    id.resolve_from(None, addr, Duration::from_secs(5))?;
+    id.connect(private_data, Duration::from_secs(5))
+}
+
+fn rejection(result: Result<Vec<u8>, verbs::Error>) -> Refused {
+    match result {
+        Err(verbs::Error::Rejected { private_data, .. }) => {
+            Refused::decode(&private_data).expect("a refusal of ours")
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+/// A proof recorded from a connect that was accepted does not admit a
+/// second connection; a proof for a challenge from another listener, or
+/// with a flipped bit, is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_recorded_proof_cannot_be_replayed() {
+    let env = TestEnv::from_env();
+    let key = secret("sixteen byte key");
+    let listener = RdmaTransport::default()
+        .auth_secret(Some(key.clone()))
+        .connect_timeout(Duration::from_secs(2))
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let addr: std::net::SocketAddr = listener
+        .local_addr()
+        .strip_prefix("rdma://")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let hello = Hello {
+        ring_slots: 64,
+        slot_size: 8192,
+        region_addr: 0,
+        region_rkey: 1,
+        region_len: 1 << 20,
+    }
+    .to_bytes();
+    let blocking = move |f: Box<dyn FnOnce() -> Result<Vec<u8>, verbs::Error> + Send>| {
+        tokio::task::spawn_blocking(f)
+    };
+    let Refused::Challenge(challenge) = rejection(
+        blocking(Box::new(move || raw_connect(addr, &hello)))
+            .await
+            .unwrap(),
+    ) else {
+        panic!("a request without a proof gets a challenge");
+    };
+    let request = auth::proven_request(&key, hello, &challenge);
+    // Tampered: one bit of the proof flipped.
+    let mut tampered = request;
+    tampered[auth::PROVEN_REQUEST_LEN - 1] ^= 1;
+    assert_eq!(
+        rejection(
+            blocking(Box::new(move || raw_connect(addr, &tampered)))
+                .await
+                .unwrap()
+        ),
+        Refused::Proof(ProofRefused::WrongProof)
+    );
+    // The genuine answer is accepted (this queue-pair-less client cannot
+    // finish the connection; the listener gives up on it)...
+    let first = blocking(Box::new(move || raw_connect(addr, &request)))
+        .await
+        .unwrap();
+    assert!(
+        !matches!(first, Err(verbs::Error::Rejected { .. })),
+        "the genuine proof was refused: {first:?}"
+    );
+    // ... and the same bytes again are a replay.
+    assert_eq!(
+        rejection(
+            blocking(Box::new(move || raw_connect(addr, &request)))
+                .await
+                .unwrap()
+        ),
+        Refused::Proof(ProofRefused::Replayed)
+    );
+    // A challenge issued by another listener does not count here.
+    let other = RdmaTransport::default()
+        .auth_secret(Some(key.clone()))
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let other_addr: std::net::SocketAddr = other
+        .local_addr()
+        .strip_prefix("rdma://")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let Refused::Challenge(foreign) = rejection(
+        blocking(Box::new(move || raw_connect(other_addr, &hello)))
+            .await
+            .unwrap(),
+    ) else {
+        panic!("a request without a proof gets a challenge");
+    };
+    let request = auth::proven_request(&key, hello, &foreign);
+    assert_eq!(
+        rejection(
+            blocking(Box::new(move || raw_connect(addr, &request)))
+                .await
+                .unwrap()
+        ),
+        Refused::Proof(ProofRefused::Forged)
+    );
+    drop(listener);
+}
