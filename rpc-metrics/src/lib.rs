@@ -1,16 +1,19 @@
 //! Prometheus metrics for rdma-rpc servers and clients: calls started and
 //! finished per method and status, latency histograms and calls in flight,
 //! recorded by [interceptors](rpc_core::intercept) into a
-//! [`prometheus_client`] registry, and a `/metrics` endpoint to scrape.
+//! [`prometheus_client`] registry; per transport, connections, reconnects,
+//! send stalls and what the transport reports itself (RDMA's pinned memory
+//! and device events); and a `/metrics` endpoint to scrape.
 //!
 //! ```
 //! use prometheus_client::registry::Registry;
-//! use rpc_metrics::{MetricsServer, RpcMetrics};
+//! use rpc_metrics::{MetricsServer, RpcMetrics, TransportMetrics};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let mut registry = Registry::default();
 //! let metrics = RpcMetrics::register(&mut registry);
+//! TransportMetrics::register(&mut registry); // rpc_transport_*
 //! let server = rpc_core::Server::builder().intercept(metrics.server());
 //! let shards = rpc_core::Endpoint::new("mem://shard-0")?.intercept(metrics.client());
 //!
@@ -39,6 +42,41 @@
 //! A side keeps series for at most 1,024 methods; calls to further methods
 //! (a client calling made-up names, say) are counted under
 //! `method="(other)"`, so nothing a peer sends grows the series without end.
+//!
+//! ## Per transport
+//! [`TransportMetrics::register`] adds the `rpc_transport_*` families,
+//! labelled by `scheme` (`tcp`, `rdma`, `mem`) and, where both ends count,
+//! `side` (`client`, `server`). They count every connection of a
+//! `Channel` or a `Server` in the process (rpc-core keeps the counters),
+//! whether or not the interceptors are installed:
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `rpc_transport_connections_opened_total` | counter | connections established |
+//! | `rpc_transport_connections_closed_total` | counter | connections ended (closed, broken, found dead by keepalive) |
+//! | `rpc_transport_connections_open` | gauge | connections open now |
+//! | `rpc_transport_reconnects_total` | counter | connections a client made to replace one it lost (no `side`) |
+//! | `rpc_transport_connect_failures_total` | counter | client connection attempts that failed or timed out (no `side`) |
+//! | `rpc_transport_send_stalls_total` | counter | sends that found no room and waited: on RDMA the peer's credits, on TCP the write buffer past its high-water mark (a slow reader) |
+//!
+//! A transport adds what only it knows
+//! ([`Transport::stats`](rpc_core::transport::Transport::stats)); the RDMA
+//! transport reports:
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `rpc_transport_rdma_pinned_bytes` | gauge | memory registered with the devices now (whole pages) |
+//! | `rpc_transport_rdma_device_events_total` | counter | device async events read, by `device` and `event` (`port_err`, `port_active`, `qp_fatal`, `device_fatal`, …) |
+//!
+//! These cost nothing per call: the counters are relaxed atomics touched
+//! once per connection (opened, closed) and per send that finds no room;
+//! a scrape reads them. Being process-wide, they read the same in every
+//! registry they are registered in.
+//!
+//! Not exported: bytes per method. The interceptor hooks see a call's head
+//! and its end, not its messages; counting sizes would take a field and an
+//! addition per message in rpc-core's call paths, left for when the hooks
+//! grow a per-message event.
 //!
 //! Why `prometheus-client` and not the `metrics` facade: it is the
 //! Prometheus project's own Rust client, keeps metrics in a registry the
@@ -69,6 +107,10 @@ use rpc_core::intercept::{CallEnd, CallHead, Interceptor};
 use rpc_core::{Code, Status};
 use rustc_hash::FxHashMap;
 use tokio::net::{TcpListener, ToSocketAddrs};
+
+mod transport;
+
+pub use transport::TransportMetrics;
 
 /// A method's labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
