@@ -54,6 +54,7 @@
 mod budget;
 #[doc(hidden)]
 pub mod reader;
+pub mod tls;
 
 use std::fs::File;
 use std::future::Future;
