@@ -23,9 +23,25 @@ pub mod ps {
 pub mod tonic_rdma;
 
 /// Installs every transport this build has, so any address scheme works.
+///
+/// With `RDMA_RPC_SECRET_FILE` set, `rdma://` servers admit only clients
+/// that prove the secret in that file, and clients connect only to servers
+/// that prove it (see `transport_rdma`'s Authentication); exits with a
+/// message when the file is not a usable secret.
 pub fn install_transports() {
     transport_tcp::install();
-    transport_rdma::install();
+    match std::env::var_os("RDMA_RPC_SECRET_FILE") {
+        None => transport_rdma::install(),
+        Some(path) => match transport_rdma::SharedSecret::from_file(&path) {
+            Ok(secret) => rpc_core::transport::register(std::sync::Arc::new(
+                transport_rdma::RdmaTransport::default().auth_secret(Some(secret)),
+            )),
+            Err(e) => {
+                eprintln!("RDMA_RPC_SECRET_FILE: {e}");
+                std::process::exit(2);
+            }
+        },
+    }
 }
 
 /// The value of `--addr`, or `default`; exits with a usage message on bad arguments.

@@ -94,6 +94,8 @@ fn demo_in_guest() -> Result<(), String> {
     })?;
     let bin = workspace_root().join("target/debug");
     greeter_demo(&bin, &format!("rdma://{ip}:0"))?;
+    println!("== greeter over RDMA with a shared secret (RDMA_RPC_SECRET_FILE on both sides)");
+    authenticated_greeter_demo(&bin, &format!("rdma://{ip}:0"))?;
     // The emulated device and guest take ~20 ms a call: a deadline to match.
     println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower, deadline 500 ms (emulated device)");
     fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300, 500)?;
@@ -362,13 +364,60 @@ fn show_metrics(address: &str) -> Result<(), String> {
     }
 }
 
+/// [`greeter_demo`] with a shared secret in `RDMA_RPC_SECRET_FILE` for
+/// the server and its client, after checking that a client without it is
+/// refused.
+fn authenticated_greeter_demo(bin: &Path, listen: &str) -> Result<(), String> {
+    let secret = std::env::temp_dir().join(format!("rdma-rpc-demo-{}.secret", std::process::id()));
+    std::fs::write(&secret, "demo secret: at least 16 bytes\n")
+        .map_err(|e| format!("writing {}: {e}", secret.display()))?;
+    let outcome = greeter_demo_with(
+        bin,
+        listen,
+        &[("RDMA_RPC_SECRET_FILE", secret.as_os_str())],
+        |addr| {
+            let refused = Command::new(bin.join("greeter-client"))
+                .args(["--addr", addr])
+                .env_remove("RDMA_RPC_SECRET_FILE")
+                .output()
+                .map_err(|e| format!("could not start greeter-client: {e}"))?;
+            let said = String::from_utf8_lossy(&refused.stderr);
+            if refused.status.success() || !said.contains("shared secret") {
+                return Err(format!(
+                    "a client without the secret was not refused as it should be ({}):\n{said}",
+                    refused.status
+                ));
+            }
+            println!(
+                "a client without the secret was refused: {}",
+                said.lines().last().unwrap_or("")
+            );
+            Ok(())
+        },
+    );
+    let _ = std::fs::remove_file(&secret);
+    outcome
+}
+
 /// Starts `greeter-server` on `listen`, runs `greeter-client` against the
 /// address it reports, then stops the server with SIGINT (graceful shutdown).
 fn greeter_demo(bin: &Path, listen: &str) -> Result<(), String> {
+    greeter_demo_with(bin, listen, &[], |_| Ok(()))
+}
+
+/// [`greeter_demo`] with `env` set for both programs, and `before` run
+/// with the server's address before the client.
+fn greeter_demo_with(
+    bin: &Path,
+    listen: &str,
+    env: &[(&str, &std::ffi::OsStr)],
+    before: impl FnOnce(&str) -> Result<(), String>,
+) -> Result<(), String> {
     use std::io::BufRead;
 
     let mut server = Command::new(bin.join("greeter-server"))
         .args(["--addr", listen])
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| format!("could not start greeter-server: {e}"))?;
@@ -384,7 +433,11 @@ fn greeter_demo(bin: &Path, listen: &str) -> Result<(), String> {
         ));
     };
     println!("greeter-server listening on {addr}");
-    let client = run(Command::new(bin.join("greeter-client")).args(["--addr", addr]));
+    let client = before(addr).and_then(|()| {
+        run(Command::new(bin.join("greeter-client"))
+            .args(["--addr", addr])
+            .envs(env.iter().copied()))
+    });
     let _ = Command::new("kill")
         .args(["-INT", &server.id().to_string()])
         .status();
