@@ -64,6 +64,9 @@ macro_rules! event_kinds {
                     Self::Unknown(_) => "an event type this crate does not know",
                 }
             }
+
+            /// Every kind this crate knows (all but [`Unknown`](Self::Unknown)).
+            pub const KNOWN: &'static [AsyncEventKind] = &[$(Self::$variant,)*];
         }
     };
 }
@@ -168,6 +171,8 @@ impl AsyncEvents {
             ctx,
             _anchor: id.share(),
         };
+        // From now on its events are counted (zero until one is read).
+        events_read(&events.device_name(), |_| ());
         let fd = events.fd();
         // SAFETY: `fd` is the context's open descriptor; F_GETFL/F_SETFL
         // only change its status flags.
@@ -245,8 +250,71 @@ impl AsyncEvents {
         // SAFETY: `raw` is the event just returned, acknowledged once;
         // nothing refers to its objects afterwards.
         unsafe { ffi::ibv_ack_async_event(std::ptr::addr_of_mut!(raw).cast()) };
+        events_read(&self.device_name(), |counts| counts.add(kind));
         Ok(Some(AsyncEvent { kind, element }))
     }
+}
+
+/// How many async events of each kind this process read from one device
+/// ([`AsyncEvents::try_next`]), as [`async_events_read`] reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceEventCounts {
+    /// The device's name, e.g. `rxe0`.
+    pub device: String,
+    /// Events of each of [`AsyncEventKind::KNOWN`], in that order.
+    pub known: Vec<u64>,
+    /// Events of kinds this crate does not know.
+    pub unknown: u64,
+}
+
+impl DeviceEventCounts {
+    fn new(device: &str) -> DeviceEventCounts {
+        DeviceEventCounts {
+            device: device.to_string(),
+            known: vec![0; AsyncEventKind::KNOWN.len()],
+            unknown: 0,
+        }
+    }
+
+    fn add(&mut self, kind: AsyncEventKind) {
+        match AsyncEventKind::KNOWN.iter().position(|&k| k == kind) {
+            Some(i) => self.known[i] += 1,
+            None => self.unknown += 1,
+        }
+    }
+
+    /// Each known kind with its count.
+    pub fn by_kind(&self) -> impl Iterator<Item = (AsyncEventKind, u64)> + '_ {
+        AsyncEventKind::KNOWN
+            .iter()
+            .copied()
+            .zip(self.known.iter().copied())
+    }
+}
+
+/// The events read so far, per device. Events are rare: a lock per event
+/// (and per scrape) costs nothing that matters.
+static EVENTS_READ: std::sync::Mutex<Vec<DeviceEventCounts>> = std::sync::Mutex::new(Vec::new());
+
+fn events_read(device: &str, update: impl FnOnce(&mut DeviceEventCounts)) {
+    let mut all = EVENTS_READ.lock().unwrap_or_else(|e| e.into_inner());
+    let i = match all.iter().position(|c| c.device == device) {
+        Some(i) => i,
+        None => {
+            all.push(DeviceEventCounts::new(device));
+            all.len() - 1
+        }
+    };
+    update(&mut all[i]);
+}
+
+/// The async events this process has read, per device whose events it
+/// has watched ([`AsyncEvents::new`]), since it started: for metrics.
+pub fn async_events_read() -> Vec<DeviceEventCounts> {
+    EVENTS_READ
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
 }
 
 /// The element of an event of `kind`, as libibverbs fills it.
@@ -311,5 +379,40 @@ impl CompletionQueue {
     /// How async events name this CQ ([`EventElement::Cq`]).
     pub fn id(&self) -> CqId {
         CqId(self.inner.raw.as_ptr() as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use AsyncEventKind as K;
+
+    fn counts_of(device: &str) -> DeviceEventCounts {
+        async_events_read()
+            .into_iter()
+            .find(|c| c.device == device)
+            .expect("the device is counted")
+    }
+
+    #[test]
+    fn events_are_counted_per_device_and_kind() {
+        events_read("count-test0", |_| ());
+        let watched = counts_of("count-test0");
+        assert!(watched.by_kind().all(|(_, n)| n == 0));
+        assert_eq!(watched.by_kind().count(), K::KNOWN.len());
+        for kind in [K::PortErr, K::PortActive, K::PortErr, K::Unknown(99)] {
+            events_read("count-test0", |c| c.add(kind));
+        }
+        events_read("count-test1", |c| c.add(K::DeviceFatal));
+        let counts = counts_of("count-test0");
+        let of = |kind| counts.by_kind().find(|&(k, _)| k == kind).unwrap().1;
+        assert_eq!(
+            (of(K::PortErr), of(K::PortActive), of(K::DeviceFatal)),
+            (2, 1, 0)
+        );
+        assert_eq!(counts.unknown, 1);
+        assert_eq!(counts.by_kind().map(|(_, n)| n).sum::<u64>(), 3);
+        let other = counts_of("count-test1");
+        assert_eq!(other.by_kind().map(|(_, n)| n).sum::<u64>(), 1);
     }
 }

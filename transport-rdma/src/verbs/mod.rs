@@ -48,13 +48,16 @@ mod qp;
 
 pub use rdma_sys as ffi;
 
-pub use async_event::{AsyncEvent, AsyncEventKind, AsyncEvents, CqId, DeviceId, EventElement};
+pub use async_event::{
+    async_events_read, AsyncEvent, AsyncEventKind, AsyncEvents, CqId, DeviceEventCounts, DeviceId,
+    EventElement,
+};
 pub(crate) use cm::SharedCmId;
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
-pub use mr::{Access, MemoryRegion, RemoteRegion};
+pub use mr::{registered_bytes, Access, MemoryRegion, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use qp::{QpCapabilities, QueuePair};
 

@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
@@ -150,9 +151,10 @@ impl MemoryRegion {
         }
         match NonNull::new(raw) {
             Some(raw) => Ok(Self {
+                // Counted from here, so that `Drop` (which subtracts) pairs with it.
+                len: pinned(len),
                 raw,
                 buf,
-                len,
                 iova,
                 remote_write,
                 pd: Arc::clone(&pd.inner),
@@ -345,8 +347,42 @@ impl Drop for MemoryRegion {
             );
             return;
         }
+        // Still counted above when leaked: its pages stay pinned.
+        REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
         // SAFETY: `buf` was allocated in `new` with this layout and is no
         // longer registered (ibv_dereg_mr succeeded just above).
         unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };
+    }
+}
+
+/// Bytes registered by the [`MemoryRegion`]s of this process now.
+static REGISTERED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a `len`-byte region just registered (whole pages); returns `len`.
+fn pinned(len: usize) -> usize {
+    REGISTERED.fetch_add(MemoryRegion::layout(len).size() as u64, Ordering::Relaxed);
+    len
+}
+
+/// Bytes of memory this process has registered (pinned) through
+/// [`MemoryRegion`]s and not yet deregistered, counting whole pages (what
+/// registration pins); a region whose deregistration failed stays counted,
+/// as its pages stay pinned. One relaxed atomic, updated as regions are
+/// registered and dropped: for metrics.
+pub fn registered_bytes() -> u64 {
+    REGISTERED.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registered_bytes_count_whole_pages() {
+        let before = registered_bytes();
+        assert_eq!(pinned(1), 1);
+        assert_eq!(pinned(4097), 4097);
+        assert_eq!(registered_bytes() - before, 4096 + 8192);
+        REGISTERED.fetch_sub(4096 + 8192, Ordering::Relaxed);
     }
 }

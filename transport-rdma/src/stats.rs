@@ -1,0 +1,128 @@
+//! What the RDMA transport reports for metrics
+//! ([`Transport::stats`](rpc_core::transport::Transport::stats)): memory
+//! pinned now and device async events seen. rpc-core counts what every
+//! transport has (connections, reconnects, sends that waited for credits).
+//!
+//! The values are kept where they happen, as the verbs layer sees them
+//! ([`verbs::registered_bytes`], [`verbs::async_events_read`]): every
+//! registered region counts, whatever made it (RPC connections,
+//! [`RdmaStream`](crate::RdmaStream)s, set-ups under way), and every
+//! event read. This module only reads them, at scrape time.
+
+use rpc_core::transport::stats::TransportStat;
+
+use crate::verbs::{self, AsyncEventKind, DeviceEventCounts};
+
+/// Event kinds reported even before one is seen (those that fail
+/// connections, and a port coming back), so that a rate of them starts
+/// from zero; the others appear once seen.
+const ALWAYS_REPORTED: &[AsyncEventKind] = &[
+    AsyncEventKind::PortErr,
+    AsyncEventKind::PortActive,
+    AsyncEventKind::DeviceFatal,
+    AsyncEventKind::QpFatal,
+    AsyncEventKind::QpReqErr,
+    AsyncEventKind::QpAccessErr,
+    AsyncEventKind::PathMigErr,
+    AsyncEventKind::CqErr,
+];
+
+/// The body of `RdmaTransport`'s [`Transport::stats`](rpc_core::transport::Transport::stats).
+pub(crate) fn transport_stats() -> Vec<TransportStat> {
+    stats_of(verbs::registered_bytes(), &verbs::async_events_read())
+}
+
+fn stats_of(pinned: u64, events: &[DeviceEventCounts]) -> Vec<TransportStat> {
+    let mut stats = vec![TransportStat::gauge(
+        "rdma_pinned_bytes",
+        "Memory registered (pinned) with RDMA devices now, bytes (whole pages)",
+        pinned,
+    )];
+    for device in events {
+        let event = |label: String, value: u64| {
+            TransportStat::counter(
+                "rdma_device_events",
+                "Device async events read (port up/down, queue pair and device errors), by device and event",
+                value,
+            )
+            .with_label("device", device.device.clone())
+            .with_label("event", label)
+        };
+        for (kind, count) in device.by_kind() {
+            if count > 0 || ALWAYS_REPORTED.contains(&kind) {
+                stats.push(event(event_label(kind), count));
+            }
+        }
+        if device.unknown > 0 {
+            stats.push(event("unknown".to_string(), device.unknown));
+        }
+    }
+    stats
+}
+
+/// `IBV_EVENT_PORT_ERR` -> `port_err`.
+fn event_label(kind: AsyncEventKind) -> String {
+    let name = kind.name();
+    name.strip_prefix("IBV_EVENT_")
+        .unwrap_or(name)
+        .to_ascii_lowercase()
+}
+
+#[cfg(test)]
+mod tests {
+    use rpc_core::transport::stats::StatKind;
+
+    use super::*;
+
+    #[test]
+    fn event_labels_are_the_short_lower_case_names() {
+        assert_eq!(event_label(AsyncEventKind::PortErr), "port_err");
+        assert_eq!(event_label(AsyncEventKind::DeviceFatal), "device_fatal");
+    }
+
+    #[test]
+    fn pinned_bytes_and_events_by_device_and_kind() {
+        let mut rxe0 = DeviceEventCounts {
+            device: "rxe0".into(),
+            known: vec![0; AsyncEventKind::KNOWN.len()],
+            unknown: 2,
+        };
+        let at = |kind| {
+            AsyncEventKind::KNOWN
+                .iter()
+                .position(|&k| k == kind)
+                .unwrap()
+        };
+        rxe0.known[at(AsyncEventKind::PortErr)] = 3;
+        rxe0.known[at(AsyncEventKind::LidChange)] = 1;
+        let stats = stats_of(1 << 20, &[rxe0]);
+
+        assert_eq!(stats[0].name, "rdma_pinned_bytes");
+        assert_eq!((stats[0].kind, stats[0].value), (StatKind::Gauge, 1 << 20));
+        assert!(stats[0].labels.is_empty());
+        let event = |name: &str| {
+            stats
+                .iter()
+                .find(|s| s.labels.iter().any(|(k, v)| *k == "event" && v == name))
+                .map(|s| {
+                    assert_eq!((s.name, s.kind), ("rdma_device_events", StatKind::Counter));
+                    assert_eq!(s.labels[0], ("device", "rxe0".to_string()));
+                    s.value
+                })
+        };
+        assert_eq!(event("port_err"), Some(3));
+        assert_eq!(event("lid_change"), Some(1), "seen: reported");
+        assert_eq!(event("unknown"), Some(2));
+        assert_eq!(
+            event("device_fatal"),
+            Some(0),
+            "reported before one is seen"
+        );
+        assert_eq!(
+            event("sm_change"),
+            None,
+            "not seen and not among the always reported"
+        );
+        assert_eq!(stats.len(), 1 + ALWAYS_REPORTED.len() + 2);
+    }
+}

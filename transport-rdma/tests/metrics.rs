@@ -1,0 +1,102 @@
+//! What the transport reports for metrics (`Transport::stats`) and what
+//! rpc-core counts for `rdma://`, on a real device: pinned bytes rise by
+//! a connection's two ends while it is open and fall back once it closes;
+//! the device's events are counted from its first connection; connections
+//! count open on both sides, then closed.
+//!
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP`; in a two-host run each side
+//! runs it over its own device.
+
+mod common;
+use rpc_test_support as support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{TestEnv, PINNED_PER_END};
+use rpc_core::transport::stats::{connection_stats, ConnectionStats, Side, TransportStat};
+use rpc_core::{BytesCodec, Channel, Client, Request};
+use support::TestServer;
+
+fn rdma_stats() -> Vec<TransportStat> {
+    rpc_core::transport::lookup("rdma")
+        .expect("rdma:// is installed")
+        .stats()
+}
+
+fn pinned() -> u64 {
+    rdma_stats()
+        .iter()
+        .find(|s| s.name == "rdma_pinned_bytes")
+        .expect("RdmaTransport reports rdma_pinned_bytes (is `fn stats` in its Transport impl?)")
+        .value
+}
+
+fn connections(side: Side) -> ConnectionStats {
+    connection_stats()
+        .into_iter()
+        .find(|s| s.scheme == "rdma" && s.side == side)
+        .expect("rdma:// connections are counted")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn pinned_bytes_and_connections_follow_a_connection() {
+    let env = TestEnv::from_env();
+    transport_rdma::install();
+    let server = TestServer::start(&env.local_listen(), |b| b).await;
+    let before = pinned();
+
+    let channel = Channel::connect(&server.address).await.unwrap();
+    let client = Client::new(channel.clone());
+    client
+        .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::from_static(b"hi")))
+        .await
+        .unwrap();
+
+    // Both ends are in this process: twice one end's memory (whole pages,
+    // as the regions are).
+    let open = pinned() - before;
+    assert!(
+        (2 * PINNED_PER_END..=2 * PINNED_PER_END + (64 << 10)).contains(&open),
+        "{open} bytes pinned for one connection, expected about {}",
+        2 * PINNED_PER_END
+    );
+    assert_eq!(connections(Side::Client).open(), 1);
+    let server_side = support::eventually(Duration::from_secs(10), || {
+        connections(Side::Server).open() == 1
+    })
+    .await;
+    assert!(server_side, "{:?}", connections(Side::Server));
+
+    // The device's watcher runs: its events are reported, zero or more,
+    // port errors among them from the start.
+    let port_err = rdma_stats().into_iter().find(|s| {
+        s.name == "rdma_device_events"
+            && s.labels.contains(&("device", env.device.clone()))
+            && s.labels.contains(&("event", "port_err".to_string()))
+    });
+    assert!(port_err.is_some(), "{:?}", rdma_stats());
+
+    drop(client);
+    drop(channel);
+    let released = support::eventually(Duration::from_secs(30), || pinned() <= before).await;
+    assert!(
+        released,
+        "{} bytes still pinned 30 s after closing",
+        pinned() - before
+    );
+    assert_eq!(pinned(), before);
+    let closed = support::eventually(Duration::from_secs(10), || {
+        connections(Side::Client).open() == 0 && connections(Side::Server).open() == 0
+    })
+    .await;
+    assert!(
+        closed,
+        "{:?} {:?}",
+        connections(Side::Client),
+        connections(Side::Server)
+    );
+    assert_eq!(connections(Side::Client).opened, 1);
+    server.stop().await;
+}
