@@ -415,10 +415,14 @@ fn read_roots(path: &Path) -> Result<RootCertStore, TlsConfigError> {
     let pem = read(WHAT, path)?;
     let mut roots = RootCertStore::empty();
     for certificate in CertificateDer::pem_slice_iter(&pem) {
-        let certificate =
-            certificate.map_err(|e| pem_error(WHAT, path, format_args!("is not valid PEM: {e}")))?;
+        let certificate = certificate
+            .map_err(|e| pem_error(WHAT, path, format_args!("is not valid PEM: {e}")))?;
         roots.add(certificate).map_err(|e| {
-            pem_error(WHAT, path, format_args!("holds an unusable CA certificate: {e}"))
+            pem_error(
+                WHAT,
+                path,
+                format_args!("holds an unusable CA certificate: {e}"),
+            )
         })?;
     }
     if roots.is_empty() {
@@ -464,12 +468,12 @@ fn server_name(scheme: &str, authority: &str) -> Result<ServerName<'static>, Tra
         .map_err(|e| invalid(format!("{host:?} is not a host name or IP address: {e}")))
 }
 
-fn timed_out(what: String, timeout: Duration) -> TransportError {
+fn timed_out(what: String, timeout: Duration, hint: &str) -> TransportError {
     TransportError::io(
         what,
         io::Error::new(
             io::ErrorKind::TimedOut,
-            format!("the TLS handshake did not finish within {timeout:?}"),
+            format!("the TLS handshake did not finish within {timeout:?}{hint}"),
         ),
     )
 }
@@ -512,7 +516,13 @@ impl TlsTransport {
         let context = || format!("TLS handshake with {address}");
         let (session, accepted) = tokio::time::timeout(self.handshake_timeout, handshake)
             .await
-            .map_err(|_| timed_out(context(), self.handshake_timeout))?
+            .map_err(|_| {
+                timed_out(
+                    context(),
+                    self.handshake_timeout,
+                    " (is the server a tls:// listener? a tcp:// one does not answer)",
+                )
+            })?
             .map_err(|e| {
                 TransportError::io(
                     context(),
@@ -561,7 +571,7 @@ async fn accept_tls(
     let context = || format!("TLS handshake with {peer}");
     let (session, identity) = tokio::time::timeout(transport.handshake_timeout, handshake)
         .await
-        .map_err(|_| timed_out(context(), transport.handshake_timeout))?
+        .map_err(|_| timed_out(context(), transport.handshake_timeout, ""))?
         .map_err(|e| {
             TransportError::io(
                 context(),
@@ -569,7 +579,9 @@ async fn accept_tls(
             )
         })?;
     let (read, write) = stream::split(session.into(), Side::Server);
-    Ok(transport.tcp.connection(read, write, peer, identity, limits))
+    Ok(transport
+        .tcp
+        .connection(read, write, peer, identity, limits))
 }
 
 impl Transport for TlsTransport {

@@ -84,19 +84,22 @@ fn meaning(side: Side, error: &Error, ca_file: Option<&Path>) -> Option<String> 
                 utc(*not_after),
                 utc(*time)
             ),
-            CertificateError::NotValidYet => format!(
-                "the {peer}'s certificate is not valid yet; check both hosts' clocks"
-            ),
+            CertificateError::NotValidYet => {
+                format!("the {peer}'s certificate is not valid yet; check both hosts' clocks")
+            }
             CertificateError::NotValidYetContext { time, not_before } => format!(
                 "the {peer}'s certificate is not valid yet (valid from {}, now {}); \
                  check both hosts' clocks",
                 utc(*not_before),
                 utc(*time)
             ),
-            CertificateError::NotValidForName => format!(
-                "the {peer}'s certificate is not valid for the host name connected to"
-            ),
-            CertificateError::NotValidForNameContext { expected, presented } => format!(
+            CertificateError::NotValidForName => {
+                format!("the {peer}'s certificate is not valid for the host name connected to")
+            }
+            CertificateError::NotValidForNameContext {
+                expected,
+                presented,
+            } => format!(
                 "the {peer}'s certificate is not valid for {} (it names {}); connect with \
                  a name it carries, or reissue it",
                 expected.to_str(),
@@ -134,8 +137,12 @@ fn alert_meaning(side: Side, alert: AlertDescription) -> Option<String> {
         }
         (
             Side::Client,
-            UnknownCA | BadCertificate | CertificateUnknown | UnsupportedCertificate
-            | AccessDenied | DecryptError,
+            UnknownCA
+            | BadCertificate
+            | CertificateUnknown
+            | UnsupportedCertificate
+            | AccessDenied
+            | DecryptError,
         ) => format!(
             "the server refused this client's certificate ({alert:?}): it must be signed \
              by the CA the server trusts"
@@ -145,8 +152,12 @@ fn alert_meaning(side: Side, alert: AlertDescription) -> Option<String> {
         }
         (
             Side::Server,
-            UnknownCA | BadCertificate | CertificateUnknown | UnsupportedCertificate
-            | AccessDenied | DecryptError,
+            UnknownCA
+            | BadCertificate
+            | CertificateUnknown
+            | UnsupportedCertificate
+            | AccessDenied
+            | DecryptError,
         ) => format!(
             "the client refused this server's certificate ({alert:?}): is it signed by \
              the CA the client trusts, and valid for the name the client connects to?"

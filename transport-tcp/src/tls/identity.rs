@@ -171,7 +171,11 @@ mod tests {
 
     #[test]
     fn malformed_names_end_the_walk_without_panicking() {
-        for bytes in [&[0x31, 0x05, 0x30][..], &[0x31, 0x84, 0xff, 0xff, 0xff, 0xff], &[0x31]] {
+        for bytes in [
+            &[0x31, 0x05, 0x30][..],
+            &[0x31, 0x84, 0xff, 0xff, 0xff, 0xff],
+            &[0x31],
+        ] {
             assert!(attributes(bytes).is_empty());
         }
     }
