@@ -328,7 +328,8 @@ fn fanout_demo(
 }
 
 /// Scrapes `http://ADDRESS/metrics` and prints the servers' handled-call
-/// counters; fails unless some calls were counted as `OK`.
+/// counters and the transport's series; fails unless some calls were
+/// counted as `OK` and some connections as opened by the servers.
 fn show_metrics(address: &str) -> Result<(), String> {
     use std::io::{Read, Write};
 
@@ -355,12 +356,30 @@ fn show_metrics(address: &str) -> Result<(), String> {
                 .unwrap_or(0.0);
         }
     }
-    if ok_calls > 0.0 {
-        Ok(())
-    } else {
+    println!("-- (rpc_transport_*)");
+    let mut server_connections = 0.0;
+    for line in response.lines().filter(|l| l.starts_with("rpc_transport_")) {
+        println!("{line}");
+        if line.starts_with("rpc_transport_connections_opened_total{")
+            && line.contains("side=\"server\"")
+        {
+            server_connections += line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        }
+    }
+    if ok_calls == 0.0 {
         Err(format!(
             "the metrics endpoint counted no successful calls:\n{response}"
         ))
+    } else if server_connections == 0.0 {
+        Err(format!(
+            "the metrics endpoint counted no connections opened by the servers:\n{response}"
+        ))
+    } else {
+        Ok(())
     }
 }
 

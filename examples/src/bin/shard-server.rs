@@ -16,7 +16,9 @@
 //! serves the standard health service (`grpc.health.v1.Health`), reporting
 //! `shard.Model` serving until shutdown begins. With `--metrics-addr
 //! HOST:PORT` the servers record `rpc-metrics` (summed over the process's
-//! servers) and serve them at `http://HOST:PORT/metrics`.
+//! servers), with the transport's (connections, send stalls, on RDMA
+//! pinned memory and device events), and serve them at
+//! `http://HOST:PORT/metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -144,6 +146,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(address) => {
             let mut registry = prometheus_client::registry::Registry::default();
             let metrics = rpc_metrics::RpcMetrics::register(&mut registry);
+            rpc_metrics::TransportMetrics::register(&mut registry);
             let endpoint = rpc_metrics::MetricsServer::bind(address.as_str(), registry).await?;
             println!("metrics: http://{}/metrics", endpoint.local_addr());
             tokio::spawn(endpoint.serve());
