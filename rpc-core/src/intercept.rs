@@ -80,9 +80,12 @@ impl Peer {
     }
 
     /// Who the peer proved to be, when the transport authenticates peers:
-    /// for `tls://`, the client certificate's first DNS name (or its
-    /// subject); for `rdma://` with a shared secret, `"rdma-secret"`;
-    /// `None` where the peer was not authenticated.
+    /// for `tls://` with client certificates required, the client
+    /// certificate's first DNS name, else its subject's common name (CN),
+    /// else its subject's other attributes (`O=Acme, OU=ML`), else
+    /// `serial:` and its serial number in hex; for `rdma://` with a shared
+    /// secret, `"rdma-secret"`; `None` where the peer was not
+    /// authenticated.
     pub fn identity(&self) -> Option<&str> {
         self.identity.as_deref()
     }

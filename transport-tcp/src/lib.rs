@@ -1,4 +1,5 @@
-//! TCP transport for rdma-rpc: `tcp://host:port`.
+//! TCP transport for rdma-rpc: `tcp://host:port`, and TLS over it,
+//! `tls://host:port` (see [`tls`]).
 //!
 //! # Quick start
 //!
@@ -8,6 +9,11 @@
 //! let channel = rpc_core::Channel::connect("tcp://127.0.0.1:50051").await?;
 //! # Ok(()) }
 //! ```
+//!
+//! `tls://` carries the same frames, with the same writer, reader and
+//! settings, over a rustls session: server TLS, or mutual TLS with the
+//! client's certificate name seen by handlers
+//! ([`tls::TlsTransport::builder`]).
 //!
 //! # How frames travel
 //! Each frame goes as a 4-byte little-endian length and the frame;

@@ -2,8 +2,7 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use transport_tcp::tls::TlsTransport;
+//! use transport_tcp::tls::{self, TlsTransport};
 //!
 //! // A server: its certificate and key; with `require_client_cert`,
 //! // clients must present a certificate signed by the CA in `ca_file`.
@@ -13,7 +12,7 @@
 //!     .ca_file("/etc/rpc/ca.pem")
 //!     .require_client_cert(true)
 //!     .build()?; // a missing or invalid file fails here, naming it
-//! rpc_core::transport::register(Arc::new(tls));
+//! tls::install(tls);
 //! // ... Server::builder().add_service(..).serve("tls://0.0.0.0:7000")
 //!
 //! // A client: the CA it trusts, and its own certificate for mutual TLS.
@@ -22,7 +21,7 @@
 //!     .cert_file("/etc/rpc/worker-7.pem")
 //!     .key_file("/etc/rpc/worker-7.key")
 //!     .build()?;
-//! rpc_core::transport::register(Arc::new(tls));
+//! tls::install(tls);
 //! let channel = rpc_core::Channel::connect("tls://10.0.0.5:7000").await?;
 //! # Ok(()) }
 //! ```
