@@ -134,7 +134,9 @@ impl Service for TestService {
             }
             "Identity" => {
                 codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
-                    let identity = request.peer().and_then(|p| p.identity().map(str::to_string));
+                    let identity = request
+                        .peer()
+                        .and_then(|p| p.identity().map(str::to_string));
                     Ok(Response::new(Bytes::from(identity.unwrap_or_default())))
                 })
             }
