@@ -155,6 +155,7 @@ mod conn;
 mod device_events;
 pub mod proto;
 mod registry;
+mod stats;
 pub mod stream;
 pub mod verbs;
 
@@ -462,6 +463,10 @@ impl Transport for RdmaTransport {
         "rdma"
     }
 
+    fn stats(&self) -> Vec<rpc_core::transport::stats::TransportStat> {
+        stats::transport_stats()
+    }
+
     fn connect<'a>(
         &'a self,
         authority: &'a str,
@@ -622,6 +627,7 @@ fn admit(
             }
         },
     };
+    stats::refused(&refused);
     if let Err(e) = id.reject(&refused.to_bytes()) {
         tracing::warn!("rdma: rejecting {}: {e}", peer_addr());
     }

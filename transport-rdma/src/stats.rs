@@ -9,9 +9,42 @@
 //! [`RdmaStream`](crate::RdmaStream)s, set-ups under way), and every
 //! event read. This module only reads them, at scrape time.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use rpc_core::transport::stats::TransportStat;
 
+use crate::proto::Refused;
 use crate::verbs::{self, AsyncEventKind, DeviceEventCounts};
+
+/// Why listeners refused connect requests: the `reason` label of each
+/// counter in [`REFUSED`].
+const REFUSAL_REASONS: [&str; 6] = [
+    "too_many_connections",
+    "too_many_handshakes",
+    "over_pinned_budget",
+    "bad_hello",
+    "proof_refused",
+    "not_allowed",
+];
+
+/// Connect requests refused by this process's listeners, by reason.
+static REFUSED: [AtomicU64; REFUSAL_REASONS.len()] =
+    [const { AtomicU64::new(0) }; REFUSAL_REASONS.len()];
+
+/// Counts a listener's refusal (a challenge is not one: the client is
+/// asked for its proof).
+pub(crate) fn refused(why: &Refused) {
+    let reason = match why {
+        Refused::Challenge(_) => return,
+        Refused::TooManyConnections { .. } => 0,
+        Refused::TooManyHandshakes { .. } => 1,
+        Refused::OverPinnedBudget { .. } => 2,
+        Refused::BadHello => 3,
+        Refused::Proof(_) => 4,
+        Refused::NotAllowed => 5,
+    };
+    REFUSED[reason].fetch_add(1, Ordering::Relaxed);
+}
 
 /// Event kinds reported even before one is seen (those that fail
 /// connections, and a port coming back), so that a rate of them starts
@@ -29,7 +62,19 @@ const ALWAYS_REPORTED: &[AsyncEventKind] = &[
 
 /// The body of `RdmaTransport`'s [`Transport::stats`](rpc_core::transport::Transport::stats).
 pub(crate) fn transport_stats() -> Vec<TransportStat> {
-    stats_of(verbs::registered_bytes(), &verbs::async_events_read())
+    let mut stats = stats_of(verbs::registered_bytes(), &verbs::async_events_read());
+    for (reason, count) in REFUSAL_REASONS.iter().zip(&REFUSED) {
+        stats.push(
+            TransportStat::counter(
+                "rdma_connections_refused",
+                "Connect requests this process's listeners refused, by reason \
+                 (limits, a bad hello, a refused proof of the shared secret, off the allow-list)",
+                count.load(Ordering::Relaxed),
+            )
+            .with_label("reason", reason.to_string()),
+        );
+    }
+    stats
 }
 
 fn stats_of(pinned: u64, events: &[DeviceEventCounts]) -> Vec<TransportStat> {

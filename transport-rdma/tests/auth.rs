@@ -141,6 +141,21 @@ async fn only_clients_that_prove_the_secret_get_a_handler_to_run() {
     }
 }
 
+/// Connect requests this process's listeners refused for `reason`, as
+/// the transport reports them for metrics.
+fn refusals(reason: &str) -> u64 {
+    use rpc_core::transport::Transport;
+    RdmaTransport::default()
+        .stats()
+        .into_iter()
+        .find(|s| {
+            s.name == "rdma_connections_refused"
+                && s.labels.contains(&("reason", reason.to_string()))
+        })
+        .unwrap_or_else(|| panic!("no rdma_connections_refused{{reason={reason:?}}}"))
+        .value
+}
+
 async fn refused(client: &RdmaTransport, addr: &str, says: &str) {
     let err = client.connect_stream(addr).await.expect_err("connected");
     assert_eq!(err.kind(), ErrorKind::PermissionDenied, "{err}");
@@ -171,8 +186,14 @@ async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
         .await
         .unwrap();
     let addr = guarded.local_addr().to_string();
+    let (proofs, addresses) = (refusals("proof_refused"), refusals("not_allowed"));
     refused(&RdmaTransport::default(), &addr, "prove its shared secret").await;
     refused(&with_secret("another key, 16b"), &addr, "wrong proof").await;
+    assert_eq!(
+        refusals("proof_refused"),
+        proofs + 1,
+        "a wrong proof is counted, a challenge is not"
+    );
     let t = Instant::now();
     echo_once(&mut guarded, &with_secret(key), &addr).await;
     eprintln!("authenticated connect and echo: {:?}", t.elapsed());
@@ -206,6 +227,7 @@ async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
         "allow-list",
     )
     .await;
+    assert_eq!(refusals("not_allowed"), addresses + 1);
     let ours = format!("{}/32", env.ip).parse().unwrap();
     let mut both = with_secret(key)
         .allow_peers([ours])
