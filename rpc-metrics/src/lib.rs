@@ -88,6 +88,7 @@
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use http_body_util::Full;
@@ -98,13 +99,14 @@ use hyper::service::service_fn;
 use hyper::{Method, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 use rpc_core::intercept::{CallEnd, CallHead, Interceptor};
-use rpc_core::{Code, Status};
+use rpc_core::Status;
 use rustc_hash::FxHashMap;
 use tokio::net::{TcpListener, ToSocketAddrs};
 
@@ -127,11 +129,67 @@ struct HandledLabels {
     code: &'static str,
 }
 
-type HistogramFamily = Family<MethodLabels, Histogram, fn() -> Histogram>;
+type HistogramFamily = Family<MethodLabels, LatencyHistogram>;
 
-/// Latency buckets: 50 µs to 1.6 s, doubling.
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(50e-6, 2.0, 16))
+/// Upper bound of the first latency bucket, nanoseconds: buckets go from
+/// 50 µs to 1.6 s, doubling, then `+Inf`.
+const FIRST_BUCKET_NANOS: u64 = 50_000;
+/// Latency buckets with an upper bound (the `+Inf` one follows).
+const BOUNDED_BUCKETS: usize = 16;
+
+/// A latency histogram recorded with two relaxed atomic additions and no
+/// lock: the bucket of a duration is found by arithmetic (the bounds
+/// double), not by a search. prometheus-client's own `Histogram` takes a
+/// lock and scans its buckets on every observation.
+#[derive(Debug, Clone, Default)]
+struct LatencyHistogram(Arc<LatencyCounts>);
+
+#[derive(Debug, Default)]
+struct LatencyCounts {
+    /// Observations per bucket (not cumulative), `+Inf` last.
+    buckets: [AtomicU64; BOUNDED_BUCKETS + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl LatencyHistogram {
+    fn observe(&self, elapsed: std::time::Duration) {
+        let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.0.buckets[bucket_of(nanos)].fetch_add(1, Ordering::Relaxed);
+        self.0.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+}
+
+/// The bucket of a duration: the first whose bound (50 µs × 2^i) it does
+/// not exceed; `BOUNDED_BUCKETS` (`+Inf`) past the last.
+fn bucket_of(nanos: u64) -> usize {
+    let multiples = nanos.saturating_sub(1) / FIRST_BUCKET_NANOS;
+    ((u64::BITS - multiples.leading_zeros()) as usize).min(BOUNDED_BUCKETS)
+}
+
+impl TypedMetric for LatencyHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for LatencyHistogram {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let mut buckets = [(0.0, 0); BOUNDED_BUCKETS + 1];
+        let mut count = 0;
+        for (i, (bound, n)) in buckets.iter_mut().enumerate() {
+            *bound = if i < BOUNDED_BUCKETS {
+                (FIRST_BUCKET_NANOS << i) as f64 / 1e9
+            } else {
+                f64::INFINITY // written as +Inf
+            };
+            *n = self.0.buckets[i].load(Ordering::Relaxed);
+            count += *n;
+        }
+        let sum = self.0.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
 }
 
 /// The most methods a side keeps series for; see [`Side::method`].
@@ -159,7 +217,7 @@ struct Side {
 struct PerMethod {
     labels: MethodLabels,
     started: Counter,
-    seconds: Histogram,
+    seconds: LatencyHistogram,
     in_flight: Gauge,
     handled: [OnceLock<Counter>; CODES],
 }
@@ -169,7 +227,7 @@ impl Side {
         let this = Side {
             started: Family::default(),
             handled: Family::default(),
-            seconds: Family::new_with_constructor(latency_histogram),
+            seconds: Family::default(),
             in_flight: Family::default(),
             by_path: RwLock::new(FxHashMap::default()),
         };
@@ -198,14 +256,20 @@ impl Side {
         this
     }
 
+    /// Runs `record` on the method's series: found under the read lock
+    /// (no reference count touched), or made on the method's first call.
+    fn with_method(&self, path: &str, record: impl FnOnce(&PerMethod)) {
+        if let Some(found) = read(&self.by_path).get(path) {
+            return record(found);
+        }
+        record(&self.method(path));
+    }
+
     /// The method's series, created on its first call. Past
     /// [`MAX_METHODS`] methods, new ones share the series of method
     /// `OTHER_METHOD`: a client that calls made-up method names cannot
     /// make the server's series (and its memory) grow without end.
     fn method(&self, path: &str) -> Arc<PerMethod> {
-        if let Some(found) = read(&self.by_path).get(path) {
-            return Arc::clone(found);
-        }
         let full = read(&self.by_path).len() >= MAX_METHODS;
         let (path, labels) = if full {
             let labels = MethodLabels {
@@ -240,32 +304,33 @@ impl Side {
     }
 
     fn started(&self, path: &str, in_flight: bool) {
-        let method = self.method(path);
-        method.started.inc();
-        if in_flight {
-            method.in_flight.inc();
-        }
+        self.with_method(path, |method| {
+            method.started.inc();
+            if in_flight {
+                method.in_flight.inc();
+            }
+        });
     }
 
     fn ended(&self, end: &CallEnd<'_>, in_flight: bool) {
-        let method = self.method(end.path());
-        if in_flight {
-            method.in_flight.dec();
-        }
-        method.seconds.observe(end.elapsed().as_secs_f64());
-        let code = end.status().code();
-        let index = (0..CODES as u32)
-            .position(|i| Code::from_u32(i) == code)
-            .unwrap_or(2); // UNKNOWN
-        method.handled[index]
-            .get_or_init(|| {
-                self.handled.get_or_create_owned(&HandledLabels {
-                    service: method.labels.service.clone(),
-                    method: method.labels.method.clone(),
-                    code: code.as_str(),
+        self.with_method(end.path(), |method| {
+            if in_flight {
+                method.in_flight.dec();
+            }
+            method.seconds.observe(end.elapsed());
+            let code = end.status().code();
+            // Codes are numbered 0..CODES; any other counts as UNKNOWN (2).
+            let index = Some(code as usize).filter(|&i| i < CODES).unwrap_or(2);
+            method.handled[index]
+                .get_or_init(|| {
+                    self.handled.get_or_create_owned(&HandledLabels {
+                        service: method.labels.service.clone(),
+                        method: method.labels.method.clone(),
+                        code: code.as_str(),
+                    })
                 })
-            })
-            .inc();
+                .inc();
+        });
     }
 }
 
@@ -443,6 +508,39 @@ fn respond(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn latencies_fall_in_the_first_bucket_whose_bound_they_do_not_exceed() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(50_000), 0);
+        assert_eq!(bucket_of(50_001), 1);
+        assert_eq!(bucket_of(100_000), 1);
+        assert_eq!(bucket_of(100_001), 2);
+        assert_eq!(bucket_of(50_000 << 15), 15, "1.6384 s, the last bound");
+        assert_eq!(bucket_of((50_000 << 15) + 1), BOUNDED_BUCKETS, "+Inf");
+        assert_eq!(bucket_of(u64::MAX), BOUNDED_BUCKETS);
+
+        let mut registry = Registry::default();
+        let histogram = LatencyHistogram::default();
+        registry.register("latency", "test", histogram.clone());
+        for micros in [10, 50, 70, 3_000, 5_000_000] {
+            histogram.observe(Duration::from_micros(micros));
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "latency_bucket{le=\"0.00005\"} 2",
+            "latency_bucket{le=\"0.0001\"} 3",
+            "latency_bucket{le=\"0.0032\"} 4",
+            "latency_bucket{le=\"1.6384\"} 4",
+            "latency_bucket{le=\"+Inf\"} 5",
+            "latency_count 5",
+            "latency_sum 5.00313",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+    }
 
     #[test]
     fn methods_past_the_cap_share_one_series() {

@@ -7,7 +7,8 @@
 //!
 //! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-mem`
 //! (the same over `mem://`), `rpc-metrics` (`rpc` with `rpc-metrics`
-//! recording on both sides), `tonic` (tonic's generated `Echo` over loopback
+//! recording on both sides), `rpc-intercept` (`rpc` with an interceptor
+//! that does nothing on both sides: the hooks' own cost), `tonic` (tonic's generated `Echo` over loopback
 //! TCP, the same proto) or `raw` (length-prefixed frames over loopback TCP,
 //! no RPC: the floor). Per call = (count at 2,200 calls − count at 200) /
 //! 2,000, so set-up cancels out; `cargo xtask bench --instructions` runs it.
@@ -16,9 +17,11 @@ use benches::server::{self, RpcEcho};
 use benches::{rpcbench, tcp_authority, Error, System};
 use bytes::Bytes;
 use prometheus_client::registry::Registry;
+use rpc_core::intercept::{CallHead, Interceptor};
 use rpc_metrics::RpcMetrics;
 
-const USAGE: &str = "usage: call-instructions rpc|rpc-mem|rpc-metrics|tonic|raw CALLS SIZE";
+const USAGE: &str =
+    "usage: call-instructions rpc|rpc-mem|rpc-metrics|rpc-intercept|tonic|raw CALLS SIZE";
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Error> {
@@ -33,7 +36,14 @@ async fn main() -> Result<(), Error> {
         "rpc" => unary(System::Rpc, "tcp://127.0.0.1:0", calls, &payload).await,
         "rpc-mem" => unary(System::Rpc, "mem://call-instructions", calls, &payload).await,
         "tonic" => unary(System::Tonic, "tcp://127.0.0.1:0", calls, &payload).await,
-        "rpc-metrics" => with_metrics(calls, &payload).await,
+        "rpc-metrics" => {
+            let metrics = RpcMetrics::register(&mut Registry::default());
+            intercepted(metrics.server(), metrics.client(), calls, &payload).await
+        }
+        "rpc-intercept" => {
+            let pass = |_: &mut CallHead<'_>| Ok(());
+            intercepted(pass, pass, calls, &payload).await
+        }
         "raw" => {
             let (address, serving) = server::start(System::Raw, "tcp://127.0.0.1:0").await?;
             tokio::spawn(serving);
@@ -59,18 +69,22 @@ async fn unary(system: System, listen: &str, calls: usize, payload: &Bytes) -> R
     Ok(())
 }
 
-/// As `rpc`, with `rpc-metrics` on the server and the client.
-async fn with_metrics(calls: usize, payload: &Bytes) -> Result<(), Error> {
-    let metrics = RpcMetrics::register(&mut Registry::default());
+/// As `rpc`, with `on_server` and `on_client` intercepting.
+async fn intercepted(
+    on_server: impl Interceptor,
+    on_client: impl Interceptor,
+    calls: usize,
+    payload: &Bytes,
+) -> Result<(), Error> {
     let server = rpc_core::Server::builder()
-        .intercept(metrics.server())
+        .intercept(on_server)
         .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho))
         .bind("tcp://127.0.0.1:0")
         .await?;
     let address = server.local_addr().to_string();
     tokio::spawn(server.serve());
     let channel = rpc_core::Endpoint::new(&address)?
-        .intercept(metrics.client())
+        .intercept(on_client)
         .connect()
         .await?;
     let mut client = Client::Rpc(rpcbench::bench_client::BenchClient::new(channel));
