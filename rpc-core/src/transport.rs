@@ -30,7 +30,10 @@ use bytes::Bytes;
 use crate::frame::OutFrame;
 
 pub mod mem;
+mod refusal_log;
 pub mod stats;
+
+pub use refusal_log::RefusalLog;
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -3,7 +3,6 @@
 
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use crate::proto::Refused;
 
@@ -108,37 +107,6 @@ impl Drop for Lease {
 impl Drop for Handshake {
     fn drop(&mut self) {
         self.admission.counts().handshakes -= 1;
-    }
-}
-
-/// Logs refused connections at most once a second (a connect storm
-/// must not flood the log), counting the ones it left out.
-#[derive(Debug, Default)]
-pub(crate) struct RefusalLog {
-    last: Option<Instant>,
-    left_out: u64,
-}
-
-impl RefusalLog {
-    /// Logs `why` `peer` was refused, unless a refusal was logged less
-    /// than a second ago.
-    pub(crate) fn refused(&mut self, peer: &str, why: &dyn std::fmt::Display) {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|last| now.duration_since(last) < Duration::from_secs(1))
-        {
-            self.left_out += 1;
-            return;
-        }
-        let more = std::mem::take(&mut self.left_out);
-        let more = if more > 0 {
-            format!(" ({more} more refused since the last such line)")
-        } else {
-            String::new()
-        };
-        tracing::warn!("rdma: refused a connection from {peer}: {why}{more}");
-        self.last = Some(now);
     }
 }
 

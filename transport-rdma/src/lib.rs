@@ -169,12 +169,12 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use rpc_core::transport::{
-    self, BoxFuture, Connection, FrameLimits, Listener, Transport, TransportError,
+    self, BoxFuture, Connection, FrameLimits, Listener, RefusalLog, Transport, TransportError,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::admission::{Admission, AdmissionLimits, Handshake, Lease, RefusalLog};
+use crate::admission::{Admission, AdmissionLimits, Handshake, Lease};
 use crate::proto::auth::{self, Gate, Proven};
 use crate::proto::{Hello, HelloLimits, Refused, HEADER_LEN};
 use crate::verbs::{CmId, EventChannel};
@@ -608,7 +608,10 @@ fn admit(
     let refused = match check_request(private_data, peer_ip, cfg, gate) {
         Err(Refused::Challenge(challenge)) => Refused::Challenge(challenge),
         Err(refused) => {
-            log.refused(&peer_addr(), &refused);
+            log.note(format_args!(
+                "rdma: refused a connection from {}: {refused}",
+                peer_addr()
+            ));
             refused
         }
         Ok((peer, proven)) => match admission.admit(conn::pinned_bytes(cfg, &peer)) {
@@ -622,7 +625,10 @@ fn admit(
                 })
             }
             Err(refused) => {
-                log.refused(&peer_addr(), &refused);
+                log.note(format_args!(
+                    "rdma: refused a connection from {}: {refused}",
+                    peer_addr()
+                ));
                 refused
             }
         },

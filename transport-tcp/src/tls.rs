@@ -86,10 +86,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rpc_core::transport::{
-    self, BoxFuture, Connection, FrameLimits, Listener, Transport, TransportError,
+    self, BoxFuture, Connection, FrameLimits, Listener, RefusalLog, Transport, TransportError,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -676,31 +676,5 @@ impl Listener for TlsFrameListener {
 
     fn local_addr(&self) -> String {
         self.accept.local.clone()
-    }
-}
-
-/// Logs refused clients at `warn`, at most one line a second, counting
-/// those left out (a storm of bad clients does not flood the log).
-#[derive(Default)]
-struct RefusalLog {
-    last: Option<Instant>,
-    left_out: u64,
-}
-
-impl RefusalLog {
-    fn note(&mut self, what: fmt::Arguments<'_>) {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|last| now.duration_since(last) < Duration::from_secs(1))
-        {
-            self.left_out += 1;
-            return;
-        }
-        self.last = Some(now);
-        match std::mem::take(&mut self.left_out) {
-            0 => tracing::warn!("{what}"),
-            n => tracing::warn!("{what} ({n} more refusals in the last second not logged)"),
-        }
     }
 }
