@@ -125,6 +125,9 @@ pub struct TonicRdmaStream(pub RdmaStream);
 pub struct RdmaConnectInfo {
     /// The client's address, `rdma://IP:PORT`.
     pub peer_addr: String,
+    /// Who the client proved to be (`"rdma-secret"` when the listener has a
+    /// shared secret: `RdmaTransport::auth_secret`), else `None`.
+    pub identity: Option<String>,
 }
 
 impl Connected for TonicRdmaStream {
@@ -133,6 +136,7 @@ impl Connected for TonicRdmaStream {
     fn connect_info(&self) -> RdmaConnectInfo {
         RdmaConnectInfo {
             peer_addr: self.0.peer_addr().to_string(),
+            identity: self.0.peer_identity().map(str::to_string),
         }
     }
 }

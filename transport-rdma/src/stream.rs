@@ -86,6 +86,7 @@ use crate::{Accepting, RdmaTransport};
 pub struct RdmaStream {
     read: RdmaReadHalf,
     write: RdmaWriteHalf,
+    identity: Option<&'static str>,
 }
 
 /// The reading half of an [`RdmaStream`] ([`RdmaStream::into_split`]).
@@ -120,8 +121,10 @@ impl RdmaStream {
         let limits = FrameLimits {
             max_frame_len: cfg.region_len.max(cfg.slot_size) as usize,
         };
+        let identity = est.peer_identity();
         let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive)?;
         Ok(RdmaStream {
+            identity,
             read: RdmaReadHalf {
                 source,
                 unread: Bytes::new(),
@@ -139,6 +142,13 @@ impl RdmaStream {
     /// The peer's address, `rdma://IP:PORT`.
     pub fn peer_addr(&self) -> &str {
         self.write.peer_addr()
+    }
+
+    /// Who the peer proved to be: `Some("rdma-secret")` when this side has
+    /// a shared secret ([`RdmaTransport::auth_secret`]) and the peer proved
+    /// it; `None` otherwise.
+    pub fn peer_identity(&self) -> Option<&str> {
+        self.identity
     }
 
     /// The next bytes received, as they arrived, without copying them;
@@ -350,6 +360,7 @@ impl fmt::Debug for RdmaStream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RdmaStream")
             .field("peer", &self.peer_addr())
+            .field("identity", &self.identity)
             .finish_non_exhaustive()
     }
 }

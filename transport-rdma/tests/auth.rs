@@ -165,9 +165,22 @@ async fn refused(client: &RdmaTransport, addr: &str, says: &str) {
     );
 }
 
-async fn echo_once(listener: &mut RdmaListener, client: &RdmaTransport, addr: &str) {
+/// Connects, sends a message and reads it at the server; the server's
+/// stream sees the client as `identity`.
+async fn echo_once(
+    listener: &mut RdmaListener,
+    client: &RdmaTransport,
+    addr: &str,
+    identity: Option<&str>,
+) {
     let (client, server) = tokio::join!(client.connect_stream(addr), listener.accept());
     let (mut client, mut server) = (client.expect("connects"), server.expect("accepts").0);
+    assert_eq!(server.peer_identity(), identity);
+    assert_eq!(
+        client.peer_identity(),
+        identity,
+        "the client proved the server too"
+    );
     client.write_all(b"ping").await.unwrap();
     let mut got = [0; 4];
     server.read_exact(&mut got).await.unwrap();
@@ -195,7 +208,7 @@ async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
         "a wrong proof is counted, a challenge is not"
     );
     let t = Instant::now();
-    echo_once(&mut guarded, &with_secret(key), &addr).await;
+    echo_once(&mut guarded, &with_secret(key), &addr, Some("rdma-secret")).await;
     eprintln!("authenticated connect and echo: {:?}", t.elapsed());
 
     let mut open = RdmaTransport::default()
@@ -213,7 +226,7 @@ async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
         "the client that refused the server sent nothing and disconnected"
     );
     let t = Instant::now();
-    echo_once(&mut open, &RdmaTransport::default(), &open_addr).await;
+    echo_once(&mut open, &RdmaTransport::default(), &open_addr, None).await;
     eprintln!("plain connect and echo: {:?}", t.elapsed());
 
     let elsewhere = RdmaTransport::default()
@@ -241,7 +254,13 @@ async fn mismatched_secrets_and_addresses_off_the_allow_list_are_refused() {
         "prove its shared secret",
     )
     .await;
-    echo_once(&mut both, &with_secret(key), &both_addr).await;
+    echo_once(
+        &mut both,
+        &with_secret(key),
+        &both_addr,
+        Some("rdma-secret"),
+    )
+    .await;
 }
 
 /// A connect request with `private_data` and no queue pair: the listener's

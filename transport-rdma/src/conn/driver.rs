@@ -52,7 +52,7 @@ pub(crate) fn start(
     cfg: &RdmaTransport,
 ) -> Result<Connection, TransportError> {
     // rpc-core pings its connections itself.
-    let identity = est.authenticated.then(|| "rdma-secret".to_string());
+    let identity = est.peer_identity().map(str::to_string);
     let (sink, source) = start_halves(est, limits, cfg, None)?;
     let peer = sink.shared.peer.clone();
     Ok(Connection {

@@ -49,7 +49,7 @@ pub(crate) struct Established {
     /// A server's connection: its share of the listener's admission.
     lease: Option<Lease>,
     /// The peer proved the shared secret.
-    pub(super) authenticated: bool,
+    authenticated: bool,
 }
 
 /// The device objects made before the hello exchange.
@@ -302,6 +302,12 @@ pub(crate) fn accept_blocking(
 }
 
 impl Established {
+    /// Who the peer proved to be: [`auth::PROVEN_IDENTITY`] when it proved
+    /// the shared secret.
+    pub(crate) fn peer_identity(&self) -> Option<&'static str> {
+        self.authenticated.then_some(auth::PROVEN_IDENTITY)
+    }
+
     /// Where the connection sits on its device (what async events name).
     pub(super) fn placement(&self) -> Result<Placement, crate::verbs::Error> {
         Placement::of(&self.id, &self.wired.qp, &self.cq)

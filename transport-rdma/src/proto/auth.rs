@@ -42,6 +42,12 @@ use super::hello::HELLO_LEN;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// The identity a connection reports for a peer that proved the shared
+/// secret (`Peer::identity` in rpc-core, [`RdmaStream::peer_identity`]).
+///
+/// [`RdmaStream::peer_identity`]: crate::RdmaStream::peer_identity
+pub const PROVEN_IDENTITY: &str = "rdma-secret";
+
 /// Set in a hello's flags (bytes 6..8) when a proof follows it: the
 /// client's challenge and [`client_proof`], or the server's
 /// [`server_proof`].
