@@ -154,54 +154,23 @@ fn finish(
     })
 }
 
-/// Client side, blocking: resolve, create, connect, exchange hellos; with
-/// a shared secret, answer the listener's challenge with a second connect.
+/// Client side, blocking: resolve, create, connect, exchange hellos. With
+/// a shared secret, a first connect request without a queue pair fetches
+/// the listener's challenge (nothing is allocated for a request the
+/// listener refuses), and the real one carries the proof.
 pub(crate) fn connect_blocking(
     addr: SocketAddr,
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
     let ctx = format!("connect to rdma://{addr}");
-    let mut challenge = None;
-    loop {
-        match connect_once(addr, cfg, &ctx, challenge.as_ref())? {
-            Ok(est) => return Ok(est),
-            Err(_) if challenge.is_some() => {
-                return Err(TransportError::Protocol(format!(
-                    "{ctx}: the server answered a proof with another challenge"
-                )))
-            }
-            Err(next) => challenge = Some(next),
-        }
-    }
-}
-
-/// One connect: established, or challenged (`Ok(Err(challenge))`: connect
-/// again with the proof; only when this side has a secret).
-fn connect_once(
-    addr: SocketAddr,
-    cfg: &RdmaTransport,
-    ctx: &str,
-    challenge: Option<&Challenge>,
-) -> Result<Result<Established, Challenge>, TransportError> {
-    let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
-    let denied = |why: String| {
-        TransportError::io(
-            ctx.to_string(),
-            io::Error::new(io::ErrorKind::PermissionDenied, why),
-        )
+    let challenge = match &cfg.auth_secret {
+        Some(_) => Some(fetch_challenge(addr, cfg, &ctx)?),
+        None => None,
     };
-    let channel = EventChannel::new().map_err(e)?;
-    let mut id = CmId::new(&channel).map_err(e)?;
-    if let Some(tos) = cfg.type_of_service {
-        id.set_type_of_service(tos).map_err(e)?;
-    }
-    id.resolve_from(cfg.source_address, addr, cfg.connect_timeout)
-        .map_err(e)?;
-    if let Some(exponent) = cfg.ack_timeout {
-        id.set_ack_timeout(exponent).map_err(e)?;
-    }
+    let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
+    let mut id = resolved_id(addr, cfg).map_err(e)?;
     let half = make_half(&mut id, cfg).map_err(e)?;
-    let request = match (&cfg.auth_secret, challenge) {
+    let request = match (&cfg.auth_secret, &challenge) {
         (Some(secret), Some(challenge)) => {
             auth::proven_request(secret, half.own.to_bytes(), challenge).to_vec()
         }
@@ -212,44 +181,14 @@ fn connect_once(
         Err(crate::verbs::Error::Rejected {
             status,
             private_data,
-        }) => {
-            return Err(match Refused::decode(&private_data) {
-                Some(Refused::Challenge(next)) if cfg.auth_secret.is_some() => {
-                    return Ok(Err(next))
-                }
-                Some(
-                    refused @ (Refused::Challenge(_) | Refused::Proof(_) | Refused::NotAllowed),
-                ) => denied(format!("refused by the server: {refused}")),
-                Some(refused) => TransportError::io(
-                    ctx.to_string(),
-                    io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        format!("refused by the server: {refused}"),
-                    ),
-                ),
-                None => TransportError::io(
-                    ctx.to_string(),
-                    io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        format!(
-                            "connection refused (reject status {status}): nothing listens there, \
-                             or it is not an rdma-rpc server"
-                        ),
-                    ),
-                ),
-            });
-        }
+        }) => return Err(rejected(&ctx, status, &private_data)),
         Err(other) => return Err(e(other)),
     };
     if let Some(secret) = &cfg.auth_secret {
-        // A request without a proof that was accepted: the server has no secret.
-        let checked = match <&[u8; auth::PROVEN_REQUEST_LEN]>::try_from(&request[..]) {
-            Ok(request) => auth::check_reply(secret, request, &reply),
-            Err(_) => Err(auth::UNPROVEN_SERVER),
-        };
-        if let Err(why) = checked {
+        let request = request[..].try_into().expect("a proven request");
+        if let Err(why) = auth::check_reply(secret, request, &reply) {
             let _ = id.disconnect();
-            return Err(denied(why.to_string()));
+            return Err(denied(&ctx, why.to_string()));
         }
     }
     let peer = Hello::decode(&reply, &cfg.hello_limits()).map_err(|p| {
@@ -265,8 +204,87 @@ fn connect_once(
         None,
         authenticated,
     )
-    .map(Ok)
     .map_err(e)
+}
+
+/// A connection manager id bound to a route to `addr`, with the
+/// connection settings.
+fn resolved_id(addr: SocketAddr, cfg: &RdmaTransport) -> Result<CmId, crate::verbs::Error> {
+    let channel = EventChannel::new()?;
+    let mut id = CmId::new(&channel)?;
+    if let Some(tos) = cfg.type_of_service {
+        id.set_type_of_service(tos)?;
+    }
+    id.resolve_from(cfg.source_address, addr, cfg.connect_timeout)?;
+    if let Some(exponent) = cfg.ack_timeout {
+        id.set_ack_timeout(exponent)?;
+    }
+    Ok(id)
+}
+
+/// The listener's challenge: a connect request with this side's geometry,
+/// no proof and no queue pair, which a listener with a secret refuses with
+/// a challenge. One that accepts it instead has no secret, and this side,
+/// which has one, will not use it (its id is destroyed unconnected).
+fn fetch_challenge(
+    addr: SocketAddr,
+    cfg: &RdmaTransport,
+    ctx: &str,
+) -> Result<Challenge, TransportError> {
+    let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
+    let mut id = resolved_id(addr, cfg).map_err(e)?;
+    let hello = Hello {
+        ring_slots: cfg.ring_slots,
+        slot_size: cfg.slot_size,
+        region_addr: 0,
+        region_rkey: 0,
+        region_len: cfg.region_len,
+    };
+    match id.connect(&hello.to_bytes(), cfg.connect_timeout) {
+        Err(crate::verbs::Error::Rejected {
+            status,
+            private_data,
+        }) => match Refused::decode(&private_data) {
+            Some(Refused::Challenge(challenge)) => Ok(challenge),
+            _ => Err(rejected(ctx, status, &private_data)),
+        },
+        // Accepted (established, or the connect response a queue-pair-less
+        // id gets): the listener asked for no proof.
+        Ok(_) | Err(crate::verbs::Error::UnexpectedCmEvent { .. }) => {
+            Err(denied(ctx, auth::UNPROVEN_SERVER.to_string()))
+        }
+        Err(other) => Err(e(other)),
+    }
+}
+
+/// A connect `PermissionDenied` for `why`.
+fn denied(ctx: &str, why: String) -> TransportError {
+    TransportError::io(
+        ctx.to_string(),
+        io::Error::new(io::ErrorKind::PermissionDenied, why),
+    )
+}
+
+/// The error of a rejected connect request: the listener's refusal
+/// (`PermissionDenied` for authentication, `ConnectionRefused` for its
+/// limits), or nothing listening.
+fn rejected(ctx: &str, status: i32, private_data: &[u8]) -> TransportError {
+    let refused = |why: String| {
+        TransportError::io(
+            ctx.to_string(),
+            io::Error::new(io::ErrorKind::ConnectionRefused, why),
+        )
+    };
+    match Refused::decode(private_data) {
+        Some(refused @ (Refused::Challenge(_) | Refused::Proof(_) | Refused::NotAllowed)) => {
+            denied(ctx, format!("refused by the server: {refused}"))
+        }
+        Some(other) => refused(format!("refused by the server: {other}")),
+        None => refused(format!(
+            "connection refused (reject status {status}): nothing listens there, \
+             or it is not an rdma-rpc server"
+        )),
+    }
 }
 
 /// Server side, blocking: move the request's id to its own channel,
