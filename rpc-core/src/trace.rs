@@ -83,6 +83,12 @@ impl TraceContext {
         CURRENT.scope(self, future)
     }
 
+    /// Runs `f` with this as the [`current`](Self::current) context (a
+    /// handler's first poll on the connection's reader).
+    pub(crate) fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
+    }
+
     /// The trace id, as 32 lowercase hex digits in the header.
     pub fn trace_id(&self) -> u128 {
         self.trace_id

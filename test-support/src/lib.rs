@@ -19,7 +19,7 @@
 
 pub mod cases;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -218,6 +218,18 @@ impl Service for TestService {
     }
 }
 
+/// Whether the [`TestServer`]s this process starts run their handlers on
+/// the connection's reader first ([`ServerBuilder::inline_handlers`]).
+static INLINE_HANDLERS: AtomicBool = AtomicBool::new(false);
+
+/// Makes every [`TestServer`] this process starts from now on run its
+/// handlers on the connection's reader first
+/// ([`ServerBuilder::inline_handlers`]): for a suite that runs the shared
+/// cases that way, in a test binary (a process) of its own.
+pub fn start_servers_with_inline_handlers() {
+    INLINE_HANDLERS.store(true, Ordering::Relaxed);
+}
+
 /// A running test server; dropping the handle does not stop it, `stop` does.
 pub struct TestServer {
     /// The address it listens on, port chosen.
@@ -237,7 +249,10 @@ impl TestServer {
     ) -> TestServer {
         let service = TestService::default();
         let probes = Arc::clone(&service.probes);
-        let server = configure(rpc_core::Server::builder().add_service(service))
+        let builder = rpc_core::Server::builder()
+            .inline_handlers(INLINE_HANDLERS.load(Ordering::Relaxed))
+            .add_service(service);
+        let server = configure(builder)
             .bind(address)
             .await
             .expect("test server binds");

@@ -8,8 +8,10 @@
 //! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-mem`
 //! (the same over `mem://`), `rpc-metrics` (`rpc` with `rpc-metrics`
 //! recording on both sides), `rpc-intercept` (`rpc` with an interceptor
-//! that does nothing on both sides: the hooks' own cost), `tonic` (tonic's generated `Echo` over loopback
-//! TCP, the same proto) or `raw` (length-prefixed frames over loopback TCP,
+//! that does nothing on both sides: the hooks' own cost), `rpc-inline`
+//! (`rpc` with the server's handlers run on the connection's reader:
+//! `ServerBuilder::inline_handlers`), `tonic` (tonic's generated `Echo`
+//! over loopback TCP, the same proto) or `raw` (length-prefixed frames over loopback TCP,
 //! no RPC: the floor). Per call = (count at 2,200 calls − count at 200) /
 //! 2,000, so set-up cancels out; `cargo xtask bench --instructions` runs it.
 use benches::client::{self, Client, RawConnection};
@@ -17,11 +19,12 @@ use benches::server::{self, RpcEcho};
 use benches::{rpcbench, tcp_authority, Error, System};
 use bytes::Bytes;
 use prometheus_client::registry::Registry;
-use rpc_core::intercept::{CallHead, Interceptor};
+use rpc_core::intercept::CallHead;
+use rpc_core::{Endpoint, Server, ServerBuilder};
 use rpc_metrics::RpcMetrics;
 
 const USAGE: &str =
-    "usage: call-instructions rpc|rpc-mem|rpc-metrics|rpc-intercept|tonic|raw CALLS SIZE";
+    "usage: call-instructions rpc|rpc-mem|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Error> {
@@ -38,11 +41,17 @@ async fn main() -> Result<(), Error> {
         "tonic" => unary(System::Tonic, "tcp://127.0.0.1:0", calls, &payload).await,
         "rpc-metrics" => {
             let metrics = RpcMetrics::register(&mut Registry::default());
-            intercepted(metrics.server(), metrics.client(), calls, &payload).await
+            let server = Server::builder().intercept(metrics.server());
+            custom(server, |e| e.intercept(metrics.client()), calls, &payload).await
         }
         "rpc-intercept" => {
             let pass = |_: &mut CallHead<'_>| Ok(());
-            intercepted(pass, pass, calls, &payload).await
+            let server = Server::builder().intercept(pass);
+            custom(server, |e| e.intercept(pass), calls, &payload).await
+        }
+        "rpc-inline" => {
+            let server = Server::builder().inline_handlers(true);
+            custom(server, |e| e, calls, &payload).await
         }
         "raw" => {
             let (address, serving) = server::start(System::Raw, "tcp://127.0.0.1:0").await?;
@@ -69,24 +78,21 @@ async fn unary(system: System, listen: &str, calls: usize, payload: &Bytes) -> R
     Ok(())
 }
 
-/// As `rpc`, with `on_server` and `on_client` intercepting.
-async fn intercepted(
-    on_server: impl Interceptor,
-    on_client: impl Interceptor,
+/// As `rpc`, with the server built from `server` and the client's endpoint
+/// configured by `endpoint`.
+async fn custom(
+    server: ServerBuilder,
+    endpoint: impl FnOnce(Endpoint) -> Endpoint,
     calls: usize,
     payload: &Bytes,
 ) -> Result<(), Error> {
-    let server = rpc_core::Server::builder()
-        .intercept(on_server)
+    let server = server
         .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho))
         .bind("tcp://127.0.0.1:0")
         .await?;
     let address = server.local_addr().to_string();
     tokio::spawn(server.serve());
-    let channel = rpc_core::Endpoint::new(&address)?
-        .intercept(on_client)
-        .connect()
-        .await?;
+    let channel = endpoint(Endpoint::new(&address)?).connect().await?;
     let mut client = Client::Rpc(rpcbench::bench_client::BenchClient::new(channel));
     for _ in 0..calls {
         client.echo(payload).await?;

@@ -253,6 +253,8 @@ impl ClientConn {
         let mut received = 0u64;
         let reason = loop {
             tokio::select! {
+                // In this order: frames first, no random draw per wait.
+                biased;
                 result = source.recv() => {
                     received += 1;
                     if let Some(reason) = self.handle(result).await {

@@ -2,10 +2,11 @@
 //! started, refusals answered without waiting for the sink.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,7 +24,7 @@ use crate::message::Inbound;
 use crate::metadata::MetadataMap;
 use crate::status::Status;
 use crate::trace::TraceContext;
-use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
+use crate::transport::{BoxFuture, Connection, FrameSink, FrameSource, TransportError};
 
 use super::call::ServerCall;
 use super::{Routes, Service};
@@ -35,11 +36,70 @@ pub(super) struct ServerConn {
     /// The client as handlers and interceptors see it.
     peer_info: Arc<Peer>,
     pub(super) routes: Arc<Routes>,
-    calls: Mutex<HashMap<u64, CallSlot>>,
+    calls: Mutex<HashMap<u64, CallSlot, CallIdKeys>>,
     /// Handlers' final statuses waiting for room in the sink (their slots are gone).
     finishing: AtomicUsize,
     /// Notified when the last open call ends (graceful shutdown waits for it).
     idle: Notify,
+}
+
+/// How a connection's call table hashes call ids: one multiplication,
+/// keyed per connection. The ids are the client's choice, so the keys are
+/// random (from std's `RandomState`): a client cannot pick ids that collide,
+/// and the full 128-bit product folded to 64 bits makes every bit of an id
+/// count in the bucket bits. (SipHash, std's default, cost ~600 instructions
+/// of a unary call's four table operations.)
+#[derive(Clone)]
+struct CallIdKeys {
+    mix: u64,
+    multiplier: u64,
+}
+
+impl CallIdKeys {
+    fn new() -> CallIdKeys {
+        let random = std::collections::hash_map::RandomState::new();
+        CallIdKeys {
+            mix: random.hash_one(0x243f_6a88_85a3_08d3_u64),
+            multiplier: random.hash_one(0x1319_8a2e_0370_7344_u64) | 1,
+        }
+    }
+}
+
+impl BuildHasher for CallIdKeys {
+    type Hasher = CallIdHasher;
+
+    fn build_hasher(&self) -> CallIdHasher {
+        CallIdHasher {
+            keys: self.clone(),
+            hash: 0,
+        }
+    }
+}
+
+/// Hashes one call id; see [`CallIdKeys`].
+struct CallIdHasher {
+    keys: CallIdKeys,
+    hash: u64,
+}
+
+impl Hasher for CallIdHasher {
+    fn write_u64(&mut self, id: u64) {
+        let product = u128::from(id ^ self.keys.mix ^ self.hash) * u128::from(self.keys.multiplier);
+        self.hash = (product as u64) ^ ((product >> 64) as u64);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 ids are hashed; any other bytes go in eight at a time.
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.hash
+    }
 }
 
 /// A handler's final status on its way into the sink: counted as an open call.
@@ -63,18 +123,15 @@ struct CallSlot {
     received: u64,
     window: Arc<SendWindow>,
     task: Option<AbortHandle>,
-    /// For interceptors' `on_end`: set only when the server has interceptors.
-    observed: Option<Box<Observed>>,
-}
-
-/// What `on_end` needs of a call that interceptors admitted.
-struct Observed {
+    /// The call's method, `/package.Service/Method`.
     path: String,
-    started: Instant,
+    /// When interceptors admitted the call, for their `on_end`; `None`
+    /// when the server has none.
+    started: Option<Instant>,
 }
 
 impl ServerConn {
-    fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CallSlot>> {
+    fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CallSlot, CallIdKeys>> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -84,13 +141,13 @@ impl ServerConn {
     }
 
     /// Tells the interceptors a call they admitted ended with `status`.
-    fn observe_end(&self, observed: Option<Box<Observed>>, status: &Status) {
-        if let Some(observed) = observed {
+    fn observe_end(&self, path: &str, started: Option<Instant>, status: &Status) {
+        if let Some(started) = started {
             let end = CallEnd {
-                path: &observed.path,
+                path,
                 peer: &self.peer_info,
                 status,
-                elapsed: observed.started.elapsed(),
+                elapsed: started.elapsed(),
             };
             intercept::run_on_end(&self.routes.interceptors, &end);
         }
@@ -134,22 +191,27 @@ impl ServerConn {
         if let Err(error) = self.sink.send(&frame).await {
             tracing::debug!(peer = %self.peer, "final status not sent: {error}");
         }
-        self.observe_end(observed, status);
+        if let Some((path, started)) = observed {
+            self.observe_end(&path, Some(started), status);
+        }
     }
 
     /// Calls open, final statuses waiting for room included: what the limit counts.
-    fn open_calls(&self, calls: &HashMap<u64, CallSlot>) -> usize {
+    fn open_calls(&self, calls: &HashMap<u64, CallSlot, CallIdKeys>) -> usize {
         calls.len() + self.finishing.load(Ordering::Acquire)
     }
 
     /// Ends call `id` for its handler's final status: the returned guard
     /// counts it as open until the status is in the sink (or given up on).
-    fn end_call_for_final(&self, id: u64) -> Option<(FinalInFlight<'_>, Option<Box<Observed>>)> {
+    fn end_call_for_final(
+        &self,
+        id: u64,
+    ) -> Option<(FinalInFlight<'_>, Option<(String, Instant)>)> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
         slot.window.close();
         self.finishing.fetch_add(1, Ordering::AcqRel);
-        Some((FinalInFlight(self), slot.observed))
+        Some((FinalInFlight(self), slot.started.map(|t| (slot.path, t))))
     }
 
     fn abort_all(&self) {
@@ -160,7 +222,7 @@ impl ServerConn {
                 task.abort();
             }
             let closed = Status::cancelled("the connection closed before the call finished");
-            self.observe_end(slot.observed, &closed);
+            self.observe_end(&slot.path, slot.started, &closed);
         }
     }
 
@@ -258,7 +320,7 @@ impl ServerConn {
                         if let Some(task) = slot.task {
                             task.abort();
                         }
-                        self.observe_end(slot.observed, &status);
+                        self.observe_end(&slot.path, slot.started, &status);
                     }
                     backlog.refuse(&*self.sink, id, status);
                     return Ok(());
@@ -281,7 +343,11 @@ impl ServerConn {
                     if let Some(task) = slot.task {
                         task.abort();
                     }
-                    self.observe_end(slot.observed, &Status::cancelled("cancelled by the client"));
+                    self.observe_end(
+                        &slot.path,
+                        slot.started,
+                        &Status::cancelled("cancelled by the client"),
+                    );
                 }
             }
             FrameBody::WindowUpdate(bytes) => {
@@ -390,7 +456,7 @@ impl ServerConn {
                     if let Some(task) = slot.task {
                         task.abort();
                     }
-                    self.observe_end(slot.observed, &status);
+                    self.observe_end(&slot.path, slot.started, &status);
                     backlog.refuse(&*self.sink, id, status);
                 }
             }
@@ -415,7 +481,7 @@ impl ServerConn {
             return backlog.refuse(&*self.sink, id, status);
         };
         let mut extensions = Extensions::new();
-        let observed = if self.routes.interceptors.is_empty() {
+        let started = if self.routes.interceptors.is_empty() {
             None
         } else {
             let started = Instant::now();
@@ -429,14 +495,11 @@ impl ServerConn {
             if let Err(status) = intercept::run_on_call(&self.routes.interceptors, &mut head) {
                 return backlog.refuse(&*self.sink, id, status);
             }
-            Some(Box::new(Observed {
-                path: path.clone(),
-                started,
-            }))
+            Some(started)
         };
         // Only an interceptor (`trace::TracePropagation`) puts a trace
         // context in the extensions.
-        let trace = if observed.is_some() {
+        let trace = if started.is_some() {
             extensions.get::<TraceContext>().copied()
         } else {
             None
@@ -448,16 +511,6 @@ impl ServerConn {
             let (tx, rx) = mpsc::unbounded_channel();
             (Some(tx), Some(rx))
         };
-        self.calls().insert(
-            id,
-            CallSlot {
-                inbound: inbound_tx,
-                received: 0,
-                window: Arc::clone(&window),
-                task: None,
-                observed,
-            },
-        );
         let deadline = timeout.map(|t| Instant::now() + t);
         let call = ServerCall {
             conn: Arc::clone(self),
@@ -468,36 +521,97 @@ impl ServerConn {
             extensions,
             first,
             inbound: inbound_rx,
-            window,
+            window: Arc::clone(&window),
         };
+        // Builds the handler's future; none of the handler's code runs yet.
+        let mut handler = service.call(&path[method_at..], call);
         let span = tracing::debug_span!(
             "rpc.server",
             method = %path,
             peer = %self.peer,
             trace_id = tracing::field::Empty
         );
-        let run = run_call(
-            Arc::clone(self),
+        if let Some(context) = trace {
+            span.record(
+                "trace_id",
+                tracing::field::display(format_args!("{:032x}", context.trace_id())),
+            );
+        }
+        // Registered before the handler first runs: it ends the call by its id.
+        self.calls().insert(
             id,
-            service,
-            path,
-            method_at,
-            deadline,
-            call,
+            CallSlot {
+                inbound: inbound_tx,
+                received: 0,
+                window,
+                task: None,
+                path,
+                started,
+            },
         );
+        if self.routes.inline_handlers && end_stream {
+            match poll_inline(&span, trace, &mut handler) {
+                Inline::Finished => return,
+                Inline::Waiting => {}
+                Inline::Panicked(what) => {
+                    let status = panicked(&self.call_path(id), &what);
+                    let conn = Arc::clone(self);
+                    tokio::spawn(async move { conn.finish(id, &status, None).await });
+                    return;
+                }
+            }
+        }
+        let run = run_call(Arc::clone(self), id, handler, deadline);
         let task = match trace {
             None => spawn_in(span, run),
-            Some(context) => {
-                span.record(
-                    "trace_id",
-                    tracing::field::display(format_args!("{:032x}", context.trace_id())),
-                );
-                spawn_in(span, context.scope(run))
-            }
+            Some(context) => spawn_in(span, context.scope(run)),
         };
         if let Some(slot) = self.calls().get_mut(&id) {
             slot.task = Some(task.abort_handle());
         }
+    }
+
+    /// Call `id`'s method, for the messages of its rare endings (a panic, a
+    /// deadline); "the handler" once the call is over.
+    fn call_path(&self, id: u64) -> String {
+        self.calls()
+            .get(&id)
+            .map_or_else(|| "the handler".to_owned(), |slot| slot.path.clone())
+    }
+}
+
+/// How a handler's first poll on the connection's reader went.
+enum Inline {
+    /// It sent its final status: the call is over, no task was needed.
+    Finished,
+    /// It waits for something: it goes on in a task of its own.
+    Waiting,
+    /// It panicked, saying this.
+    Panicked(String),
+}
+
+/// Polls `handler` once on the reader's task, in its span and trace
+/// context, for [`ServerBuilder::inline_handlers`](super::ServerBuilder::inline_handlers).
+///
+/// With a waker that does nothing: a handler that returns `Pending` is
+/// polled again at once by the task it moves to, which registers that
+/// task's waker (a future answers to the waker of its latest poll).
+fn poll_inline(
+    span: &tracing::Span,
+    trace: Option<TraceContext>,
+    handler: &mut BoxFuture<'static, ()>,
+) -> Inline {
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut poll = || std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(&mut cx)));
+    let polled = match (span.is_disabled(), trace) {
+        (true, None) => poll(),
+        (false, None) => span.in_scope(poll),
+        (_, Some(context)) => span.in_scope(|| context.sync_scope(poll)),
+    };
+    match polled {
+        Ok(Poll::Ready(())) => Inline::Finished,
+        Ok(Poll::Pending) => Inline::Waiting,
+        Err(panic) => Inline::Panicked(panic_message(&*panic).to_owned()),
     }
 }
 
@@ -576,41 +690,48 @@ impl RefusalBacklog {
 
 /// Splits `/package.Service/Method` and finds the service.
 /// The service a call's path names, and where in the path its method starts.
-fn route(routes: &Routes, path: &str) -> Option<(Arc<dyn Service>, usize)> {
+fn route<'a>(routes: &'a Routes, path: &str) -> Option<(&'a dyn Service, usize)> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     let service = routes.services.get(service)?;
-    Some((Arc::clone(service), path.len() - method.len()))
+    Some((&**service, path.len() - method.len()))
 }
 
 /// Runs a handler under its deadline, turning a panic or an expired deadline into a status.
 async fn run_call(
     conn: Arc<ServerConn>,
     id: u64,
-    service: Arc<dyn Service>,
-    path: String,
-    method_at: usize,
+    handler: BoxFuture<'static, ()>,
     deadline: Option<Instant>,
-    call: ServerCall,
 ) {
-    let handler = AssertUnwindSafe(service.call(&path[method_at..], call)).catch_unwind();
+    let handler = AssertUnwindSafe(handler).catch_unwind();
     let outcome = match deadline {
         None => Ok(handler.await),
         Some(deadline) => tokio::time::timeout_at(deadline, handler).await,
     };
     let status = match outcome {
         Ok(Ok(())) => return, // the handler sent its own final status
-        Ok(Err(panic)) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("(non-string panic payload)");
-            tracing::error!("handler for {path} panicked: {what}");
-            Status::internal(format!("handler for {path} panicked"))
+        Ok(Err(panic)) => panicked(&conn.call_path(id), panic_message(&*panic)),
+        Err(_) => {
+            let path = conn.call_path(id);
+            Status::deadline_exceeded(format!("deadline exceeded while {path} ran"))
         }
-        Err(_) => Status::deadline_exceeded(format!("deadline exceeded while {path} ran")),
     };
     conn.finish(id, &status, None).await;
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(non-string panic payload)")
+}
+
+/// Logs a handler's panic; the status its call ends with.
+fn panicked(path: &str, what: &str) -> Status {
+    tracing::error!("handler for {path} panicked: {what}");
+    Status::internal(format!("handler for {path} panicked"))
 }
 
 /// Aborts a connection's handlers and closes it when its task ends, however it ends.
@@ -639,7 +760,7 @@ pub(super) async fn serve_connection(
         )),
         peer: connection.peer,
         routes,
-        calls: Mutex::new(HashMap::new()),
+        calls: Mutex::new(HashMap::with_hasher(CallIdKeys::new())),
         finishing: AtomicUsize::new(0),
         idle: Notify::new(),
     });
@@ -658,6 +779,8 @@ pub(super) async fn serve_connection(
             break None;
         }
         tokio::select! {
+            // In this order: frames first, no random draw per wait.
+            biased;
             result = source.recv(), if backlog.is_empty() && !half_closed => {
                 received += 1;
                 match conn.handle(result, draining, &mut backlog) {
@@ -750,6 +873,20 @@ mod tests {
         }
     }
 
+    /// Call ids hash apart under one connection's keys, and to other
+    /// values under another connection's.
+    #[test]
+    fn call_ids_hash_by_every_bit_under_per_connection_keys() {
+        let (a, b) = (CallIdKeys::new(), CallIdKeys::new());
+        let ids = [0u64, 1, 2, 1 << 32, 1 << 63, u64::MAX, 0xdead_beef];
+        let hashes: std::collections::HashSet<u64> = ids.iter().map(|&id| a.hash_one(id)).collect();
+        assert_eq!(hashes.len(), ids.len());
+        // Ids that differ only in their high bits land in different buckets.
+        let low_bits = |id: u64| a.hash_one(id) & 0xffff;
+        assert!((1..64u64).any(|i| low_bits(i << 48) != low_bits(0)));
+        assert!(ids.iter().any(|&id| a.hash_one(id) != b.hash_one(id)));
+    }
+
     /// The reader never waits for the sink: a refusal with no room waits in
     /// the backlog, the reader takes no more frames meanwhile, and keepalive
     /// still declares the silent client dead.
@@ -784,6 +921,7 @@ mod tests {
             }),
             max_concurrent_calls: Some(1),
             interceptors: Vec::new(),
+            inline_handlers: false,
             counters: ConnectionCounters::of("full-sink-test", Side::Server),
         });
         let (_shutdown_tx, shutdown) = watch::channel(false);
