@@ -18,6 +18,14 @@ pub trait Codec: Send + Sync + 'static {
     fn encoded_len(item: &Self::Encode) -> usize;
     /// Writes exactly [`Codec::encoded_len`] bytes of `item` into `dst`.
     fn encode(item: &Self::Encode, dst: &mut dyn BufMut);
+    /// As [`Codec::encode`], into a slice of exactly
+    /// [`Codec::encoded_len`] bytes: small messages are encoded this way,
+    /// where a codec's writes need no dynamic calls. Override it when the
+    /// encoder is generic over its buffer (as prost's is); by default it
+    /// calls [`Codec::encode`].
+    fn encode_to_slice(item: &Self::Encode, mut dst: &mut [u8]) {
+        Self::encode(item, &mut dst);
+    }
     /// Decodes one message; fails with [`Status`] `Internal` on malformed input.
     fn decode(buf: Bytes) -> Result<Self::Decode, Status>;
 }
@@ -41,6 +49,10 @@ where
     }
 
     fn encode(item: &E, mut dst: &mut dyn BufMut) {
+        item.encode_raw(&mut dst);
+    }
+
+    fn encode_to_slice(item: &E, mut dst: &mut [u8]) {
         item.encode_raw(&mut dst);
     }
 
@@ -70,10 +82,18 @@ impl Codec for BytesCodec {
         dst.put_slice(item);
     }
 
+    fn encode_to_slice(item: &Bytes, dst: &mut [u8]) {
+        dst.copy_from_slice(item);
+    }
+
     fn decode(buf: Bytes) -> Result<Bytes, Status> {
         Ok(buf)
     }
 }
+
+/// Messages up to this many bytes are encoded on the stack first (see
+/// [`Codec::encode_to_slice`]); larger ones straight into the transport's buffer.
+const STACKED_PAYLOAD: usize = 256;
 
 /// A message ready to be written into a frame, with its length computed once.
 pub(crate) struct Encodable<'a, C: Codec> {
@@ -100,6 +120,13 @@ impl<C: Codec> EncodePayload for Encodable<'_, C> {
     }
 
     fn encode_payload(&self, dst: &mut dyn BufMut) {
-        C::encode(self.item, dst);
+        if self.len <= STACKED_PAYLOAD {
+            // Encoded on the stack with static calls, written with one.
+            let mut stacked = [0u8; STACKED_PAYLOAD];
+            C::encode_to_slice(self.item, &mut stacked[..self.len]);
+            dst.put_slice(&stacked[..self.len]);
+        } else {
+            C::encode(self.item, dst);
+        }
     }
 }

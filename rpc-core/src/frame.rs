@@ -485,6 +485,25 @@ impl<'a> OutFrame<'a> {
 
     /// Writes exactly [`OutFrame::len`] bytes into `dst`.
     pub fn encode(&self, dst: &mut dyn BufMut) {
+        let fields = HEAD_LEN + self.header_len;
+        if fields <= STACKED_FIELDS {
+            // Assembled here, written with one call: through `dyn BufMut`
+            // each small field would be a call and a copy of its own.
+            let mut stacked = [0u8; STACKED_FIELDS];
+            let mut cursor = &mut stacked[..fields];
+            self.encode_fields(&mut cursor);
+            debug_assert!(cursor.is_empty(), "header fields shorter than announced");
+            dst.put_slice(&stacked[..fields]);
+        } else {
+            self.encode_fields(dst);
+        }
+        if let Some(payload) = self.payload {
+            payload.encode_payload(dst);
+        }
+    }
+
+    /// Writes the head and the header fields.
+    fn encode_fields<B: BufMut + ?Sized>(&self, dst: &mut B) {
         let kind = match self.body {
             OutBody::Request { .. } => FrameKind::Request,
             OutBody::Message => FrameKind::Message,
@@ -539,9 +558,6 @@ impl<'a> OutFrame<'a> {
             OutBody::WindowUpdate(increment) => dst.put_u32_le(increment),
             OutBody::Message | OutBody::Cancel | OutBody::Ping | OutBody::Pong => {}
         }
-        if let Some(payload) = self.payload {
-            payload.encode_payload(dst);
-        }
     }
 
     /// Encodes into a new buffer (tests, and transports without their own buffers).
@@ -557,7 +573,11 @@ impl<'a> OutFrame<'a> {
     }
 }
 
-fn put_str32(dst: &mut dyn BufMut, s: &str) {
+/// Frames whose head and header fields are at most this long are assembled
+/// on the stack (a unary call's request and status are ~30–60 bytes).
+const STACKED_FIELDS: usize = 128;
+
+fn put_str32<B: BufMut + ?Sized>(dst: &mut B, s: &str) {
     // Status messages are truncated to what a header section can carry.
     let bytes = truncate_utf8(s, MAX_STATUS_MESSAGE_LEN);
     dst.put_u32_le(bytes.len() as u32);
@@ -578,7 +598,7 @@ fn truncate_utf8(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-fn put_metadata(dst: &mut dyn BufMut, metadata: &MetadataMap) {
+fn put_metadata<B: BufMut + ?Sized>(dst: &mut B, metadata: &MetadataMap) {
     dst.put_u16_le(metadata.len() as u16);
     for (key, value) in metadata.iter() {
         dst.put_u16_le(key.len() as u16);
