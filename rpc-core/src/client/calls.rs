@@ -223,7 +223,13 @@ impl Client {
                 }
             }
         };
-        let outcome = traced(path, deadline, call).await;
+        let span = tracing::debug_span!("rpc.client", method = path);
+        let outcome = if deadline.is_none() && span.is_disabled() {
+            // Nothing to wrap it in: awaited in place, not moved into wrappers.
+            call.await
+        } else {
+            traced_in(span, deadline, call).await
+        };
         self.intercepted_end(path, intercepted, &outcome);
         outcome
     }
@@ -392,6 +398,15 @@ pub(super) async fn traced<T>(
     call: impl Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
     let span = tracing::debug_span!("rpc.client", method = path);
+    traced_in(span, deadline, call).await
+}
+
+/// Runs a call under its deadline, in `span`.
+pub(super) async fn traced_in<T>(
+    span: tracing::Span,
+    deadline: Option<Instant>,
+    call: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
     if span.is_disabled() {
         // No subscriber wants it: skip the span's enter and exit on every poll.
         return with_deadline(deadline, call).await;
