@@ -86,6 +86,10 @@ const SINGLE_IP: &str = "10.77.0.1";
 const SERVER_IP: &str = "10.79.0.1";
 const CLIENT_IP: &str = "10.79.0.2";
 const DEFAULT_TIMEOUT_SECS: u64 = 600;
+/// Limit of one run of the whole device suite (`cargo xtask test`), unless
+/// `RXE_TIMEOUT` says otherwise: two hosts take about 6 minutes on an idle
+/// 2-core machine, more than twice that on a busy one.
+const DEVICE_SUITE_TIMEOUT_SECS: u64 = 1200;
 /// Peer pings (1 s each at most) before a two-hosts guest gives up.
 const PEER_WAIT_TRIES: u32 = 90;
 
@@ -501,7 +505,10 @@ pub(crate) fn run_rdma_tests() -> Result<(), String> {
         eprintln!("xtask: RDMA device tests in the Soft-RoCE guest, --hosts {hosts}");
         let request = RunRequest {
             hosts,
-            timeout: default_timeout()?,
+            timeout: match std::env::var("RXE_TIMEOUT") {
+                Ok(v) => parse_timeout(&v)?,
+                Err(_) => Duration::from_secs(DEVICE_SUITE_TIMEOUT_SECS),
+            },
             mtu: 1500,
             env: Vec::new(),
             command: command.clone(),
