@@ -226,12 +226,13 @@ impl Frame {
         if header_len as usize > MAX_HEADER_LEN {
             return Err(FrameError::HeaderTooLarge(header_len as usize));
         }
-        let mut fields = frame.split_to(header_len as usize);
         let has_payload = flags & HAS_PAYLOAD != 0;
-        if !has_payload && !frame.is_empty() {
+        if !has_payload && frame.len() != header_len as usize {
             return Err(FrameError::Unexpected { kind });
         }
-        let payload = has_payload.then_some(frame);
+        // Read in place: only metadata values become `Bytes` of the frame.
+        let whole = &frame;
+        let mut fields: &[u8] = &whole[..header_len as usize];
         let end_stream = flags & END_STREAM != 0;
         let unexpected = |allowed: u8| {
             if flags & !allowed != 0 {
@@ -247,7 +248,7 @@ impl Frame {
                 let method = get_string(&mut fields, 2, "method")?;
                 let micros = get_u64(&mut fields, "timeout")?;
                 let timeout = (flags & HAS_TIMEOUT != 0).then(|| Duration::from_micros(micros));
-                let metadata = get_metadata(&mut fields)?;
+                let metadata = get_metadata(whole, &mut fields)?;
                 FrameBody::Request {
                     method,
                     timeout,
@@ -262,7 +263,7 @@ impl Frame {
                 unexpected(HAS_PAYLOAD)?;
                 let code = Code::from_u32(get_u32(&mut fields, "status code")?);
                 let message = get_string(&mut fields, 4, "status message")?;
-                let metadata = get_metadata(&mut fields)?;
+                let metadata = get_metadata(whole, &mut fields)?;
                 FrameBody::Status(Status::new(code, message).with_metadata(metadata))
             }
             FrameKind::Cancel => {
@@ -293,6 +294,8 @@ impl Frame {
         if !fields.is_empty() {
             return Err(FrameError::TrailingBytes(fields.len()));
         }
+        frame.advance(header_len as usize);
+        let payload = has_payload.then_some(frame);
         Ok(Frame {
             call_id,
             end_stream,
@@ -316,14 +319,14 @@ pub fn peek_head(prefix: &[u8]) -> Result<(u64, FrameKind), FrameError> {
     Ok((call_id, kind))
 }
 
-fn get_u32(buf: &mut Bytes, what: &'static str) -> Result<u32, FrameError> {
+fn get_u32(buf: &mut &[u8], what: &'static str) -> Result<u32, FrameError> {
     if buf.remaining() < 4 {
         return Err(FrameError::Truncated(what));
     }
     Ok(buf.get_u32_le())
 }
 
-fn get_u64(buf: &mut Bytes, what: &'static str) -> Result<u64, FrameError> {
+fn get_u64(buf: &mut &[u8], what: &'static str) -> Result<u64, FrameError> {
     if buf.remaining() < 8 {
         return Err(FrameError::Truncated(what));
     }
@@ -331,7 +334,11 @@ fn get_u64(buf: &mut Bytes, what: &'static str) -> Result<u64, FrameError> {
 }
 
 /// A length-prefixed byte string; the prefix is `prefix` (2 or 4) bytes wide.
-fn get_bytes(buf: &mut Bytes, prefix: usize, what: &'static str) -> Result<Bytes, FrameError> {
+fn get_bytes<'a>(
+    buf: &mut &'a [u8],
+    prefix: usize,
+    what: &'static str,
+) -> Result<&'a [u8], FrameError> {
     if buf.remaining() < prefix {
         return Err(FrameError::Truncated(what));
     }
@@ -343,15 +350,20 @@ fn get_bytes(buf: &mut Bytes, prefix: usize, what: &'static str) -> Result<Bytes
     if buf.remaining() < len {
         return Err(FrameError::Truncated(what));
     }
-    Ok(buf.split_to(len))
+    let (bytes, rest) = buf.split_at(len);
+    *buf = rest;
+    Ok(bytes)
 }
 
-fn get_string(buf: &mut Bytes, prefix: usize, what: &'static str) -> Result<String, FrameError> {
+fn get_string(buf: &mut &[u8], prefix: usize, what: &'static str) -> Result<String, FrameError> {
     let bytes = get_bytes(buf, prefix, what)?;
-    String::from_utf8(bytes.to_vec()).map_err(|_| FrameError::Invalid(what))
+    std::str::from_utf8(bytes)
+        .map(str::to_owned)
+        .map_err(|_| FrameError::Invalid(what))
 }
 
-fn get_metadata(buf: &mut Bytes) -> Result<MetadataMap, FrameError> {
+/// Metadata from `buf`, a part of `frame`: values are `Bytes` of the frame.
+fn get_metadata(frame: &Bytes, buf: &mut &[u8]) -> Result<MetadataMap, FrameError> {
     if buf.remaining() < 2 {
         return Err(FrameError::Truncated("metadata count"));
     }
@@ -363,7 +375,7 @@ fn get_metadata(buf: &mut Bytes) -> Result<MetadataMap, FrameError> {
             return Err(FrameError::Invalid("metadata key"));
         }
         let value = get_bytes(buf, 4, "metadata value")?;
-        metadata.push_unchecked(key, value);
+        metadata.push_unchecked(key, frame.slice_ref(value));
     }
     Ok(metadata)
 }
