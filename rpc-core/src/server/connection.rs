@@ -912,7 +912,7 @@ mod tests {
             identity: None,
         };
         let routes = Arc::new(Routes {
-            services: HashMap::new(),
+            services: Default::default(),
             max_message_size: 1 << 20,
             stream_window: INITIAL_STREAM_WINDOW,
             keepalive: Some(Keepalive {
