@@ -35,6 +35,14 @@ pub fn check(data: &[u8]) {
                 assert_eq!(header.total, 0);
             }
         }
+        Kind::Announce => {
+            assert_eq!(body, transport_rdma::proto::ANNOUNCE_BODY_LEN);
+            assert!(header.len as usize >= transport_rdma::proto::ANNOUNCE_PREFIX_LEN);
+        }
+        Kind::Done => {
+            assert_eq!(body, 0);
+            assert_eq!(header.len, 0);
+        }
         Kind::Credit | Kind::Close => {
             assert_eq!(body, 0);
             assert_eq!(header.len, 0);

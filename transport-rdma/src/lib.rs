@@ -186,6 +186,23 @@ pub fn debug_dump() -> String {
     registry::debug_dump()
 }
 
+/// The default [`RdmaTransport::rendezvous_threshold`].
+pub const DEFAULT_RENDEZVOUS_THRESHOLD: usize = 256 << 10;
+/// Bytes per RDMA READ of a rendezvous.
+const RENDEZVOUS_READ_CHUNK: usize = 256 << 10;
+/// RDMA READs in flight per connection (the connection manager's
+/// initiator depth is as deep).
+const RENDEZVOUS_READ_DEPTH: u32 = verbs::READ_DEPTH;
+/// Rendezvous transfers a connection sends at once.
+const RENDEZVOUS_MAX_OUTGOING: u32 = 8;
+
+/// Whether `ptr` points into a live rendezvous destination of this
+/// process's pool (for tests proving a received frame was not copied).
+#[doc(hidden)]
+pub fn rendezvous_pool_contains(ptr: *const u8) -> bool {
+    conn::pool_contains(ptr)
+}
+
 /// Makes `rdma://` addresses work in this process, with default settings.
 pub fn install() {
     transport::register(Arc::new(RdmaTransport::default()));
@@ -205,6 +222,8 @@ pub struct RdmaTransport {
     max_peer_region_len: u32,
     connect_timeout: Duration,
     busy_poll: Option<Duration>,
+    rendezvous_threshold: Option<usize>,
+    rendezvous_pool: u64,
     stream_keepalive: Option<Duration>,
     admission: AdmissionLimits,
     ack_timeout: Option<u8>,
@@ -226,6 +245,8 @@ impl Default for RdmaTransport {
             max_peer_region_len: 16 << 20,
             connect_timeout: Duration::from_secs(10),
             busy_poll: None,
+            rendezvous_threshold: Some(DEFAULT_RENDEZVOUS_THRESHOLD),
+            rendezvous_pool: 64 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
             admission: AdmissionLimits {
                 max_connections: 4096,
@@ -376,6 +397,44 @@ impl RdmaTransport {
     pub fn busy_poll(mut self, window: Option<Duration>) -> RdmaTransport {
         self.busy_poll = window;
         self
+    }
+
+    /// Frames of at least this many bytes are sent by rendezvous (default
+    /// 256 KiB; `None`: never): the sender registers the encoded frame for
+    /// remote read for this transfer only and announces it in a small
+    /// SEND; the receiver RDMA READs it into a destination from its pool
+    /// and hands it up there, with no copy on either side; the frames of
+    /// other calls keep flowing meanwhile, several transfers in flight.
+    /// Below it, frames go inline or through the region (copied out once
+    /// on the receiving side). At least 4 KiB. Byte streams
+    /// ([`RdmaStream`]) never use it.
+    pub fn rendezvous_threshold(mut self, bytes: Option<usize>) -> RdmaTransport {
+        self.rendezvous_threshold = bytes.map(|b| b.max(4096));
+        self
+    }
+
+    /// Most bytes of a connection's rendezvous destinations, read and not
+    /// yet dropped by the application (default 64 MiB, raised to the frame
+    /// limit so any frame fits on its own): registered as transfers need
+    /// them (local write only, never remotely writable) and freed when the
+    /// last `Bytes` of a frame drops. When full, announced transfers wait
+    /// for room (back pressure), in order.
+    pub fn rendezvous_pool(mut self, bytes: u64) -> RdmaTransport {
+        self.rendezvous_pool = bytes.max(4096);
+        self
+    }
+
+    pub(crate) fn rendezvous_config(&self, enabled: bool) -> proto::RendezvousConfig {
+        if !enabled {
+            return proto::RendezvousConfig::OFF;
+        }
+        proto::RendezvousConfig {
+            threshold: self.rendezvous_threshold,
+            pool_bytes: self.rendezvous_pool,
+            read_chunk: RENDEZVOUS_READ_CHUNK,
+            read_depth: RENDEZVOUS_READ_DEPTH,
+            max_outgoing: RENDEZVOUS_MAX_OUTGOING,
+        }
     }
 
     fn hello_limits(&self) -> HelloLimits {

@@ -122,7 +122,7 @@ impl RdmaStream {
             max_frame_len: cfg.region_len.max(cfg.slot_size) as usize,
         };
         let identity = est.peer_identity();
-        let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive)?;
+        let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive, false)?;
         Ok(RdmaStream {
             identity,
             read: RdmaReadHalf {

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use common::TestEnv;
 use rpc_core::frame::{OutBody, OutFrame};
 use rpc_core::transport::{FrameLimits, Transport, TransportError};
-use transport_rdma::proto::{Header, Hello, Kind, FIRST, LAST};
+use transport_rdma::proto::{Announcement, Header, Hello, Kind, ANNOUNCE_PREFIX_LEN, FIRST, LAST};
 use transport_rdma::verbs::{
     Access, CmId, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain, QpCapabilities,
     QueuePair,
@@ -159,4 +159,71 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
     client.sink.send(&frame).await.unwrap();
     let got: Result<Option<Bytes>, TransportError> = server.source.recv().await;
     assert!(got.unwrap().unwrap().ends_with(b"still accepting"));
+}
+
+/// An `Announce` message: transfer `id`, `len` bytes at `addr`/`rkey`.
+fn announce(id: u64, len: u32, addr: u64, rkey: u32) -> Vec<u8> {
+    let mut h = Header::new(Kind::Announce);
+    h.len = len;
+    h.pos = id;
+    let mut msg = h.to_bytes().to_vec();
+    let mut body = [0; transport_rdma::proto::ANNOUNCE_BODY_LEN];
+    Announcement {
+        addr,
+        rkey,
+        prefix: [0; ANNOUNCE_PREFIX_LEN],
+    }
+    .encode(&mut body);
+    msg.extend_from_slice(&body);
+    msg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default();
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
+    let addr: SocketAddr = target.parse().unwrap();
+    let before = transport_rdma::verbs::registered_bytes();
+    let mut done = Header::new(Kind::Done);
+    done.pos = 77;
+    for (what, message) in [
+        // The raw client registered nothing for remote read: the device
+        // refuses the READs (the responder checks the rkey's registration).
+        ("a segment it does not own", announce(1, 100_000, 0, 0)),
+        (
+            "a wild address under a made-up rkey",
+            announce(2, 100_000, 0x7fff_0000_0000, 0xdead_beef),
+        ),
+        ("a frame past the skip limit", announce(3, 5 << 20, 0, 0)),
+        (
+            "Done for a transfer never announced",
+            done.to_bytes().to_vec(),
+        ),
+    ] {
+        let client = tokio::task::spawn_blocking(move || raw_client(addr, None, Some(message)));
+        let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+            .await
+            .expect("accepts in time")
+            .expect("accepts");
+        let _raw = client.await.unwrap().expect("the raw client connects");
+        let error = tokio::time::timeout(STEP, conn.source.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the connection did not fail"));
+        match error {
+            Err(e) => eprintln!("{what}: {e}"),
+            Ok(frame) => panic!("{what}: got {frame:?}"),
+        }
+    }
+    // Every destination taken for them is freed with their connections.
+    let deadline = tokio::time::Instant::now() + STEP;
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} bytes still registered",
+            transport_rdma::verbs::registered_bytes() - before
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -13,7 +13,8 @@ use arbitrary::Arbitrary;
 use bytes::Bytes;
 use transport_rdma::proto::{
     Completion, Config, Connection, Delivered, EncodeInto, Header, Kind, ReadReceived,
-    SendDecision, Transmit, WorkKind, CTRL_SLOTS, FIRST, HEADER_LEN, HEAP_SLOTS, LAST,
+    RendezvousConfig, SendDecision, Transmit, WorkKind, CTRL_SLOTS, FIRST, HEADER_LEN, HEAP_SLOTS,
+    LAST,
 };
 
 use super::frame_len;
@@ -222,6 +223,8 @@ pub fn check(ops: &[Op]) {
         max_frame_len: MAX_FRAME,
         max_skip_len: MAX_SKIP,
         prefix_len: PREFIX,
+        // Off: an announcement is a lie this side must refuse.
+        rendezvous: RendezvousConfig::OFF,
     });
     let mut memory = Memory {
         slots: vec![vec![0x5a; SLOT_SIZE]; SLOTS as usize],
@@ -300,7 +303,7 @@ pub fn check(ops: &[Op]) {
                         header.total = *total;
                         header.pos = u64::from(*pos);
                     }
-                    Kind::Credit | Kind::Close => {}
+                    Kind::Credit | Kind::Close | Kind::Announce | Kind::Done => {}
                 }
                 let returnable = u64::from(SLOTS - m.credits.min(SLOTS));
                 header.credits = credits.get(returnable).min(u16::MAX.into()) as u16;
@@ -432,6 +435,9 @@ fn arrive(m: &mut Model, slot: u32, header: &[u8], byte_len: usize) {
         Kind::Inline | Kind::Chunk => m.deliverable += 1,
         // Reposted at once: the harness sees it in the next transmit.
         Kind::Credit | Kind::Close => {}
+        // With the rendezvous off, either fails the connection (the
+        // checks after a failure apply).
+        Kind::Announce | Kind::Done => {}
     }
 }
 
@@ -494,6 +500,7 @@ fn deliver(conn: &mut Connection, m: &mut Model, delivered: Delivered) {
         }
         Delivered::Failed(_) => assert!(conn.failure().is_some(), "failed, says who"),
         Delivered::Eof => {}
+        Delivered::Pooled { .. } => panic!("a rendezvous frame with the rendezvous off"),
     }
 }
 
@@ -521,6 +528,7 @@ fn send(conn: &mut Connection, len: usize, cancel: bool, m: &Model) {
             None
         }
         EncodeInto::Heap => Some(Bytes::from(vec![0x42; len])),
+        EncodeInto::Rendezvous { .. } => unreachable!("the rendezvous is off"),
     };
     let _ = conn.queue_frame(reservation, heap);
 }
@@ -529,6 +537,9 @@ fn send(conn: &mut Connection, len: usize, cancel: bool, m: &Model) {
 /// now posted.
 fn transmitted(t: &Transmit, m: &mut Model) {
     match *t {
+        Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
+            panic!("rendezvous work with the rendezvous off: {t:?}")
+        }
         Transmit::Recv { slot } => {
             assert!(slot < SLOTS, "receive posted in slot {slot}");
             if m.failed {

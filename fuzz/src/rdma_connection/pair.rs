@@ -16,8 +16,8 @@ use super::frame_len;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use transport_rdma::proto::{
-    Completion, Config, Connection, Delivered, EncodeInto, Header, ReadReceived, SendDecision,
-    Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS,
+    Completion, Config, Connection, Delivered, EncodeInto, Header, ReadReceived, RendezvousConfig,
+    SendDecision, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS,
 };
 
 const SLOTS: u32 = 8;
@@ -172,6 +172,8 @@ impl Side {
                 max_frame_len: MAX_FRAME,
                 max_skip_len: 4 * MAX_FRAME,
                 prefix_len: PREFIX,
+                // Off here (the crate's own simulation drives it).
+                rendezvous: RendezvousConfig::OFF,
             }),
             slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
             posted: (0..SLOTS).collect(),
@@ -272,6 +274,7 @@ fn send_frames(me: &mut Side) -> usize {
                 None
             }
             EncodeInto::Heap => Some(Bytes::from(frame.clone())),
+            EncodeInto::Rendezvous { .. } => unreachable!("the rendezvous is off"),
         };
         me.conn.queue_frame(r, heap).expect("queued");
         me.sent.push(expected(&frame));
@@ -286,6 +289,9 @@ fn pump(me: &mut Side) -> usize {
     while let Some(t) = me.conn.poll_transmit() {
         moved += 1;
         match t {
+            Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
+                panic!("rendezvous work with the rendezvous off: {t:?}")
+            }
             Transmit::Recv { slot } => {
                 assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
                 assert!(

@@ -53,7 +53,7 @@ pub(crate) fn start(
 ) -> Result<Connection, TransportError> {
     // rpc-core pings its connections itself.
     let identity = est.peer_identity().map(str::to_string);
-    let (sink, source) = start_halves(est, limits, cfg, None)?;
+    let (sink, source) = start_halves(est, limits, cfg, None, true)?;
     let peer = sink.shared.peer.clone();
     Ok(Connection {
         sink: Arc::new(sink),
@@ -74,13 +74,14 @@ pub(crate) fn start_halves(
     limits: FrameLimits,
     cfg: &RdmaTransport,
     keepalive: Option<Duration>,
+    rendezvous: bool,
 ) -> Result<(RdmaSink, RdmaSource), TransportError> {
     let placement = est
         .placement()
         .map_err(|e| io_error("find the connection's device objects", e))?;
     // From here on the QP and the memory live in `Shared` (QP first), so
     // an error below drops them in that order.
-    let (shared, id, cc) = est.into_shared(limits, cfg);
+    let (shared, id, cc) = est.into_shared(limits, cfg, rendezvous);
     let cq_fd = register(CqFd(cc), "completion channel")?;
     let cm_fd = register(CmFd(id), "connection manager channel")?;
     let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;
@@ -125,15 +126,25 @@ fn drain_cq(shared: &Shared) -> usize {
     shared.lock().drain_cq(&shared.cq, &shared.mem)
 }
 
-/// Reposts the slots the application released.
+/// Reposts the slots the application released, and gives the pool back
+/// the rendezvous frames it dropped.
 fn repost_released(shared: &Shared) {
     let released = std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
-    if released.is_empty() {
+    let pooled = std::mem::take(
+        &mut *shared
+            .pool_released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()),
+    );
+    if released.is_empty() && pooled.is_empty() {
         return;
     }
     let mut st = shared.lock();
     for slot in released {
         st.proto.handle_released(slot);
+    }
+    for len in pooled {
+        st.proto.handle_pool_released(len);
     }
     st.flush(&shared.mem);
 }

@@ -11,8 +11,44 @@ use bytes::{BufMut, Bytes};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
-use super::state::{connection_error, refusal_error, Shared, State};
-use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
+use super::state::{connection_error, refusal_error, PoolBuffer, Shared, State};
+use crate::proto::{
+    Announcement, Delivered, EncodeInto, Reservation, SendDecision, ANNOUNCE_BODY_LEN,
+    ANNOUNCE_PREFIX_LEN, HEADER_LEN,
+};
+use crate::verbs::{Access, MemoryRegion};
+
+/// A rendezvous frame handed up in its destination: the destination goes
+/// back to the pool (deregistered, its bytes returned to the protocol's
+/// budget) when the last `Bytes` over it drops.
+struct PoolGuard {
+    shared: Arc<Shared>,
+    dest: Option<PoolBuffer>,
+    len: usize,
+}
+
+impl AsRef<[u8]> for PoolGuard {
+    fn as_ref(&self) -> &[u8] {
+        let dest = self.dest.as_ref().expect("held until drop");
+        // SAFETY: every READ into the destination completed before the
+        // protocol delivered it, and no request uses it again (it left
+        // the connection's table); it is local-write only, so the peer
+        // cannot write it. Nothing writes it while this guard lives.
+        unsafe { dest.mr.slice(0..self.len) }
+    }
+}
+
+impl Drop for PoolGuard {
+    fn drop(&mut self) {
+        drop(self.dest.take());
+        self.shared
+            .pool_released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.len);
+        self.shared.wake_task.notify_one();
+    }
+}
 
 struct SlotGuard {
     pub(super) shared: Arc<Shared>,
@@ -137,7 +173,7 @@ impl RdmaSink {
                 // WRITE reads it (the peer freed it) and no other slice.
                 Some(unsafe { mem.staging.slice_mut(offset..offset + len) })
             }
-            EncodeInto::Heap => None,
+            EncodeInto::Heap | EncodeInto::Rendezvous { .. } => None,
         };
         if let Some(mut dst) = in_place {
             let encoding = CancelOnUnwind {
@@ -149,6 +185,52 @@ impl RdmaSink {
             st.proto
                 .queue_frame(reservation, None)
                 .expect("a frame encoded in place under the lock is always queued");
+        } else if let EncodeInto::Rendezvous { slot, transfer } = st.proto.encode_into(&reservation)
+        {
+            // Registered for this transfer and encoded without the
+            // connection's lock, like a chunked frame.
+            drop(st);
+            let encoding = CancelHeapOnUnwind {
+                shared,
+                reservation,
+            };
+            let segment =
+                match MemoryRegion::new(&mem.pd, len, Access::LOCAL_WRITE | Access::REMOTE_READ) {
+                    Ok(segment) => segment,
+                    Err(e) => {
+                        drop(encoding);
+                        return Poll::Ready(Err(super::io_error("register a rendezvous frame", e)));
+                    }
+                };
+            {
+                // SAFETY: just registered and not announced: no request
+                // uses it and no other slice covers it.
+                let mut dst = unsafe { segment.slice_mut(0..len) };
+                encode(&mut dst);
+            }
+            std::mem::forget(encoding);
+            let mut prefix = [0; ANNOUNCE_PREFIX_LEN];
+            segment.read_into(0, &mut prefix);
+            let remote = segment.remote();
+            st = shared.lock();
+            if let Err(refusal) = st.proto.queue_frame(reservation, None) {
+                st.wake();
+                return Poll::Ready(Err(refusal_error(refusal)));
+            }
+            let start = mem.send_slot(slot).start + HEADER_LEN;
+            // SAFETY: the announcement's send slot is this reservation's
+            // until its SEND completes, and it is posted only by the
+            // flush below; the body fits a slot (inline_max is at least
+            // the body: rendezvous frames are longer than inline ones, and
+            // a slot holds a header and 64 bytes).
+            let body = unsafe { mem.send.slice_mut(start..start + ANNOUNCE_BODY_LEN) };
+            Announcement {
+                addr: remote.addr,
+                rkey: remote.rkey,
+                prefix,
+            }
+            .encode(body);
+            st.out_transfers.insert(transfer, segment);
         } else {
             // A chunked frame (up to the frame limit, 64 MiB) is encoded
             // without the connection's lock: completions, receivers and
@@ -296,6 +378,17 @@ impl FrameSource for RdmaSource {
                     break Ok(Some(bytes));
                 }
                 Delivered::Frame(frame) => break Ok(Some(Bytes::from(frame))),
+                Delivered::Pooled { transfer, len } => {
+                    let dest = st
+                        .destinations
+                        .remove(&transfer)
+                        .expect("a delivered transfer's destination");
+                    break Ok(Some(Bytes::from_owner(PoolGuard {
+                        shared: Arc::clone(shared),
+                        dest: Some(dest),
+                        len,
+                    })));
+                }
                 Delivered::Oversized { len, prefix } => {
                     break Err(TransportError::Oversized {
                         len,

@@ -32,6 +32,7 @@ pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
 pub(crate) use setup::{accept_blocking, connect_blocking, pinned_bytes};
+pub(crate) use state::pool_contains;
 
 use rpc_core::transport::TransportError;
 

@@ -1,6 +1,7 @@
 //! Connection set-up: the device objects of one connection, made in an
 //! order that tears down safely, and the hello exchange.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -40,6 +41,7 @@ pub(crate) struct Established {
     wired: Wired,
     send: MemoryRegion,
     staging: MemoryRegion,
+    pd: ProtectionDomain,
     cq: CompletionQueue,
     cc: CompletionChannel,
     id: CmId,
@@ -64,7 +66,8 @@ struct Half {
 fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
     let pd = ProtectionDomain::new(id)?;
     let cc = CompletionChannel::new(id)?;
-    let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + 4;
+    let max_send_wr =
+        2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,
@@ -143,6 +146,7 @@ fn finish(
         wired: half.wired,
         send,
         staging,
+        pd: half.pd,
         cq: half.cq,
         cc: half.cc,
         id,
@@ -339,11 +343,13 @@ impl Established {
         self,
         limits: FrameLimits,
         cfg: &RdmaTransport,
+        rendezvous: bool,
     ) -> (Arc<Shared>, CmId, CompletionChannel) {
         let Established {
             wired: Wired { qp, recv, region },
             send,
             staging,
+            pd,
             cq,
             cc,
             id,
@@ -368,12 +374,15 @@ impl Established {
                 max_frame_len: limits.max_frame_len,
                 max_skip_len: limits.max_skip_len(),
                 prefix_len: OVERSIZED_PREFIX_LEN,
+                rendezvous: cfg.rendezvous_config(rendezvous),
             }),
             send_waiters: Vec::new(),
             recv_waker: None,
             max_frame_len: limits.max_frame_len,
             handles: 2,
             completions: 0,
+            out_transfers: HashMap::new(),
+            destinations: HashMap::new(),
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
@@ -382,6 +391,7 @@ impl Established {
                 region,
                 send,
                 staging,
+                pd,
                 slot_size: own.slot_size as usize,
                 ring_slots: own.ring_slots,
                 peer_slot_size: peer.slot_size as usize,
@@ -393,6 +403,7 @@ impl Established {
             },
             cq,
             released: Mutex::new(Vec::new()),
+            pool_released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
             peer: peer_addr,
             _lease: lease,

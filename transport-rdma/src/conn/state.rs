@@ -2,6 +2,7 @@
 //! what the protocol ([`proto::Connection`]) decides: posting its work
 //! requests, feeding it completions, waking the halves.
 
+use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
@@ -10,15 +11,23 @@ use std::task::{Context, Waker};
 use rpc_core::transport::TransportError;
 use tokio::sync::Notify;
 
-use crate::proto::{self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN};
+use crate::proto::{
+    self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN, PEEK_LEN,
+};
 use crate::registry::LiveConnection;
-use crate::verbs::{CompletionQueue, MemoryRegion, QueuePair, RemoteRegion, WorkCompletion};
+use crate::verbs::{
+    Access, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion,
+    WorkCompletion,
+};
 
 pub(super) struct Buffers {
     pub(super) recv: MemoryRegion,
     pub(super) region: MemoryRegion,
     pub(super) send: MemoryRegion,
     pub(super) staging: MemoryRegion,
+    /// Rendezvous memory (transfers' segments, destinations) is
+    /// registered on it.
+    pub(super) pd: ProtectionDomain,
     pub(super) slot_size: usize,
     pub(super) ring_slots: u32,
     pub(super) peer_slot_size: usize,
@@ -61,6 +70,58 @@ pub(super) struct State {
     /// Completions handled so far (whoever polled): the keepalive's sign
     /// of life.
     pub(super) completions: u64,
+    /// Our rendezvous transfers' segments (remote read), by transfer id,
+    /// until the peer's `Done` (or a failure): dropping one ends the
+    /// peer's access to it.
+    pub(super) out_transfers: HashMap<u64, MemoryRegion>,
+    /// The peer's transfers' destinations, by its transfer id, while
+    /// their READs run and until delivered. Declared after `qp`: one with
+    /// a READ in flight is freed only after the QP is destroyed.
+    pub(super) destinations: HashMap<u64, PoolBuffer>,
+}
+
+/// A rendezvous destination: registered memory for local write only (the
+/// peer can never write it), known to [`pool_contains`] while it lives.
+pub(crate) struct PoolBuffer {
+    pub(super) mr: MemoryRegion,
+}
+
+/// Address ranges of the live rendezvous destinations (for tests proving
+/// frames are handed up in place).
+static POOL_RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+impl PoolBuffer {
+    fn new(pd: &ProtectionDomain, len: usize) -> Result<PoolBuffer, crate::verbs::Error> {
+        let mr = MemoryRegion::new(pd, len, Access::LOCAL_WRITE)?;
+        // SAFETY: an empty slice at the start: covers no byte.
+        let start = unsafe { mr.slice(0..0) }.as_ptr() as usize;
+        POOL_RANGES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((start, start + mr.len()));
+        Ok(PoolBuffer { mr })
+    }
+}
+
+impl Drop for PoolBuffer {
+    fn drop(&mut self) {
+        // SAFETY: an empty slice at the start: covers no byte.
+        let start = unsafe { self.mr.slice(0..0) }.as_ptr() as usize;
+        let mut ranges = POOL_RANGES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = ranges.iter().position(|r| r.0 == start) {
+            ranges.swap_remove(i);
+        }
+    }
+}
+
+/// Whether `ptr` points into a live rendezvous destination.
+pub(crate) fn pool_contains(ptr: *const u8) -> bool {
+    let p = ptr as usize;
+    POOL_RANGES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|&(start, end)| (start..end).contains(&p))
 }
 
 pub(super) struct Shared {
@@ -69,6 +130,8 @@ pub(super) struct Shared {
     pub(super) cq: CompletionQueue,
     pub(super) mem: Buffers,
     pub(super) released: Mutex<Vec<u32>>,
+    /// Lengths of rendezvous frames the application dropped.
+    pub(super) pool_released: Mutex<Vec<usize>>,
     pub(super) wake_task: Notify,
     pub(super) peer: String,
     /// A server's connection gives its admission back once its memory
@@ -129,7 +192,17 @@ impl State {
 
     pub(super) fn fail(&mut self, reason: String) {
         self.proto.fail(reason);
+        self.release_on_failure();
         self.wake();
+    }
+
+    /// A failed connection ends the peer's access to our transfers at
+    /// once. (Destinations stay until the QP is destroyed: a READ may
+    /// still be writing one.)
+    fn release_on_failure(&mut self) {
+        if self.proto.failure().is_some() {
+            self.out_transfers.clear();
+        }
     }
 
     pub(super) fn wait_send(&mut self, cx: &Context<'_>) {
@@ -146,6 +219,7 @@ impl State {
                 break;
             }
         }
+        self.release_on_failure();
         self.wake();
     }
 
@@ -182,6 +256,46 @@ impl State {
                         offset as u64,
                     )
                 }
+            }
+            Transmit::Alloc { transfer, len } => {
+                let dest = PoolBuffer::new(&mem.pd, len)?;
+                self.destinations.insert(transfer, dest);
+                Ok(())
+            }
+            Transmit::Read {
+                transfer,
+                offset,
+                len,
+                addr,
+                rkey,
+                seq,
+            } => {
+                let dest = self
+                    .destinations
+                    .get(&transfer)
+                    .expect("a READ's destination was allocated before it");
+                // SAFETY: the destination stays in `destinations` (not
+                // read, not handed up) until every READ into it completed
+                // (the protocol delivers it only then); if the connection
+                // fails first, it is freed only after the QP is destroyed
+                // (`State` declares `qp` first). The range is checked
+                // against it (`sge`); the peer's device checks the remote
+                // side against `rkey`'s registration.
+                unsafe {
+                    self.qp.post_read(
+                        WorkKind::Read.wr_id(seq),
+                        &dest.mr,
+                        offset..offset + len,
+                        addr,
+                        rkey,
+                    )
+                }
+            }
+            Transmit::Release { transfer } => {
+                // The peer read it (its `Done`): deregistering ends its
+                // access; no request of ours uses it.
+                self.out_transfers.remove(&transfer);
+                Ok(())
             }
             Transmit::Send {
                 kind,
@@ -241,11 +355,11 @@ impl State {
     /// out of its slot.
     fn on_completion(&mut self, mem: &Buffers, wc: &WorkCompletion) {
         let failure = (!wc.is_ok()).then(|| format!("{} (status {})", wc.status_name(), wc.status));
-        let mut header = [0; HEADER_LEN];
+        let mut header = [0; PEEK_LEN];
         let mut header_len = 0;
         if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
             if failure.is_none() && slot < mem.ring_slots {
-                header_len = (wc.byte_len as usize).min(HEADER_LEN);
+                header_len = (wc.byte_len as usize).min(PEEK_LEN).min(mem.slot_size);
                 // A raw copy out of the slot whose receive completed: the
                 // device no longer writes it.
                 mem.read_slot(slot, 0, &mut header[..header_len]);

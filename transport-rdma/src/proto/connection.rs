@@ -20,13 +20,15 @@
 //! slot of the peer's ring), then [`CTRL_SLOTS`] for control messages, then
 //! [`HEAP_SLOTS`] for the chunks of heap-encoded frames.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use bytes::Bytes;
 
+use super::rendezvous::{InState, Incoming, OutTransfer};
 use super::{
-    route, Assembled, CreditWindow, Delivery, Header, Kind, ProtocolError, Reassembly, RecvRing,
-    RegionReader, RegionWriter, Route, FIRST, HEADER_LEN, LAST,
+    lane, pool_charge, route, Announcement, Assembled, CreditWindow, Delivery, Header, Kind,
+    ProtocolError, Reassembly, RecvRing, RegionReader, RegionWriter, RendezvousConfig, Route,
+    ANNOUNCE_PREFIX_LEN, FIRST, HEADER_LEN, LAST,
 };
 
 /// Send slots reserved for control messages (credits, close).
@@ -48,6 +50,9 @@ pub enum WorkKind {
     Write,
     /// A heap frame chunk's SEND from send slot `index`.
     Heap,
+    /// An RDMA READ of a rendezvous transfer; `index` is the READ's
+    /// sequence number (the low 32 bits), checked on completion.
+    Read,
 }
 
 impl WorkKind {
@@ -59,6 +64,7 @@ impl WorkKind {
             WorkKind::Control => 3,
             WorkKind::Write => 4,
             WorkKind::Heap => 5,
+            WorkKind::Read => 6,
         };
         (tag << 32) | u64::from(index)
     }
@@ -71,6 +77,7 @@ impl WorkKind {
             3 => WorkKind::Control,
             4 => WorkKind::Write,
             5 => WorkKind::Heap,
+            6 => WorkKind::Read,
             _ => return None,
         };
         Some((kind, wr_id as u32))
@@ -86,8 +93,9 @@ pub struct Completion<'a> {
     pub failure: Option<&'a str>,
     /// Bytes received (receives only).
     pub byte_len: usize,
-    /// For a receive: the message's first bytes (up to [`HEADER_LEN`]),
-    /// copied out of the slot by the verbs layer.
+    /// For a receive: the message's first bytes (up to
+    /// [`PEEK_LEN`](super::PEEK_LEN): the header, and an announcement's
+    /// body), copied out of the slot by the verbs layer.
     pub header: &'a [u8],
 }
 
@@ -126,6 +134,38 @@ pub enum Transmit {
         /// Bytes of frame after the header in the slot.
         body_len: usize,
     },
+    /// Take a destination of `len` bytes from the pool for the peer's
+    /// transfer `transfer` (registered for local write only): its READs
+    /// follow.
+    Alloc {
+        /// The peer's transfer id.
+        transfer: u64,
+        /// The frame's length.
+        len: usize,
+    },
+    /// RDMA READ `len` bytes at `addr` (rkey `rkey`) of the peer's memory
+    /// into transfer `transfer`'s destination at `offset`
+    /// (`WorkKind::Read`, index `seq`).
+    Read {
+        /// The peer's transfer id.
+        transfer: u64,
+        /// Offset in the destination (and in the frame).
+        offset: usize,
+        /// Bytes to read.
+        len: usize,
+        /// The peer's address of those bytes (announced address + offset).
+        addr: u64,
+        /// The announced rkey.
+        rkey: u32,
+        /// The READ's sequence number (its `wr_id` index).
+        seq: u32,
+    },
+    /// Our transfer `transfer` was read by the peer (or given up on):
+    /// deregister and free its memory.
+    Release {
+        /// Our transfer id.
+        transfer: u64,
+    },
 }
 
 /// Where [`handle_send`](Connection::handle_send) lets a frame be encoded.
@@ -145,6 +185,18 @@ pub enum EncodeInto {
     /// without holding what guards this connection, then
     /// [`queue_frame`](Connection::queue_frame) it with the bytes.
     Heap,
+    /// A rendezvous: register memory for this transfer (remote read
+    /// access), encode the frame into it without holding what guards this
+    /// connection, write its [`Announcement`] into send slot `slot` after
+    /// the header, then [`queue_frame`](Connection::queue_frame) it (no
+    /// bytes). The memory stays registered until [`Transmit::Release`]
+    /// for `transfer` (or the connection failed).
+    Rendezvous {
+        /// The send slot of the announcement.
+        slot: u32,
+        /// Our transfer id.
+        transfer: u64,
+    },
 }
 
 /// A frame's place, reserved by [`handle_send`](Connection::handle_send):
@@ -168,6 +220,10 @@ enum Place {
         head_before: u64,
     },
     Heap,
+    Rendezvous {
+        slot: u32,
+        transfer: u64,
+    },
 }
 
 impl Reservation {
@@ -178,6 +234,7 @@ impl Reservation {
                 offset: writer_offset(pos),
             },
             Place::Heap => EncodeInto::Heap,
+            Place::Rendezvous { slot, transfer } => EncodeInto::Rendezvous { slot, transfer },
         }
     }
 
@@ -238,6 +295,16 @@ pub enum Delivered {
     },
     /// A frame put back together from region chunks.
     Frame(Vec<u8>),
+    /// A rendezvous frame of `len` bytes, read into transfer `transfer`'s
+    /// destination: hand it up in place;
+    /// [`handle_pool_released`](Connection::handle_pool_released) once the
+    /// application dropped it.
+    Pooled {
+        /// The peer's transfer id.
+        transfer: u64,
+        /// Frame length.
+        len: usize,
+    },
     /// A frame over the frame limit, skipped; the connection goes on.
     Oversized {
         /// Its length.
@@ -325,6 +392,8 @@ pub struct Config {
     pub max_skip_len: usize,
     /// Bytes of an oversized frame reported with it.
     pub prefix_len: usize,
+    /// The rendezvous of large frames.
+    pub rendezvous: RendezvousConfig,
 }
 
 /// One queued outgoing message.
@@ -336,6 +405,8 @@ enum Out {
     Region { slot: u32, pos: u64, len: u32 },
     /// Frame larger than a chunk, encoded on the heap; sent chunk by chunk.
     Heap { data: Bytes, done: usize },
+    /// A rendezvous frame; `slot` holds its announcement.
+    Rendezvous { slot: u32, transfer: u64, len: u32 },
 }
 
 /// A received message not yet handed to the application.
@@ -349,6 +420,11 @@ enum Arrived {
         slot: u32,
         header: Header,
         offset: usize,
+    },
+    /// An announcement, held in `slot` until its frame is delivered.
+    Rendezvous {
+        slot: u32,
+        transfer: u64,
     },
     Eof,
 }
@@ -389,6 +465,22 @@ pub struct Connection {
     /// A control message is wanted even with nothing to report (a
     /// keepalive: see [`probe`](Self::probe)).
     probe: bool,
+    // rendezvous
+    rdv: RendezvousConfig,
+    /// Our transfers not yet `Done`, by id.
+    outgoing: BTreeMap<u64, OutTransfer>,
+    next_transfer: u64,
+    /// The peer's transfers not yet delivered, in arrival order.
+    incoming: VecDeque<Incoming>,
+    /// Pool bytes charged to destinations (reading, or delivered and not
+    /// yet released).
+    pool_in_use: u64,
+    /// READs posted and not completed, in posting order: (seq, transfer, len).
+    reads: VecDeque<(u32, u64, usize)>,
+    read_seq: u32,
+    reads_completed: u64,
+    /// `Done` messages to send.
+    dones: VecDeque<u64>,
     // both
     lifecycle: Lifecycle,
     transmit: VecDeque<Transmit>,
@@ -425,6 +517,28 @@ impl Connection {
             prefix_len: cfg.prefix_len,
             arrived: VecDeque::new(),
             probe: false,
+            rdv: RendezvousConfig {
+                // Any frame the limit admits fits the pool on its own.
+                pool_bytes: if cfg.rendezvous.pool_bytes == 0 {
+                    0
+                } else {
+                    cfg.rendezvous
+                        .pool_bytes
+                        .max(pool_charge(cfg.max_frame_len))
+                },
+                read_chunk: cfg.rendezvous.read_chunk.max(1),
+                read_depth: cfg.rendezvous.read_depth.max(1),
+                max_outgoing: cfg.rendezvous.max_outgoing.max(1),
+                threshold: cfg.rendezvous.threshold,
+            },
+            outgoing: BTreeMap::new(),
+            next_transfer: 0,
+            incoming: VecDeque::new(),
+            pool_in_use: 0,
+            reads: VecDeque::new(),
+            read_seq: 0,
+            reads_completed: 0,
+            dones: VecDeque::new(),
             lifecycle: Lifecycle::Open,
             transmit: VecDeque::new(),
             wake: Wakeups::default(),
@@ -510,7 +624,15 @@ impl Connection {
     /// `DISCONNECTED`). After the peer's `Close` that is the orderly end;
     /// before it, a failure. Take what is in the completion queue first.
     pub fn handle_disconnected(&mut self, event: &str) {
+        let unfinished = !self.outgoing.is_empty()
+            || self
+                .incoming
+                .iter()
+                .any(|t| matches!(t.state, InState::WaitPool | InState::Reading));
         match self.lifecycle {
+            Lifecycle::PeerClosed(_) if unfinished => {
+                self.fail(format!("{event} with rendezvous transfers unfinished"));
+            }
             Lifecycle::PeerClosed(_) => {
                 self.lifecycle = Lifecycle::Disconnected;
                 self.transmit.clear();
@@ -552,7 +674,17 @@ impl Connection {
     /// the disconnect as a failure, so it must have been posted, whether
     /// or not the peer closed first).
     pub fn is_drained(&self) -> bool {
-        self.own_close() == OwnClose::Sent && self.queue.is_empty() && self.in_flight == 0
+        self.own_close() == OwnClose::Sent
+            && self.queue.is_empty()
+            && self.in_flight == 0
+            // The peer may still read our transfers until it says `Done`;
+            // it waits for our `Done` of its own.
+            && self.outgoing.is_empty()
+            && self.dones.is_empty()
+            && self
+                .incoming
+                .iter()
+                .all(|t| matches!(t.state, InState::Read | InState::Skipped))
     }
 
     // ---- sending ----
@@ -568,6 +700,21 @@ impl Connection {
         let Ok(len32) = u32::try_from(len) else {
             return SendDecision::Refused(Refusal::TooLong(len));
         };
+        if self.goes_by_rendezvous(len) {
+            if self.outgoing.len() >= self.rdv.max_outgoing as usize {
+                return SendDecision::Wait;
+            }
+            let Some(slot) = self.free_send.pop() else {
+                return SendDecision::Wait;
+            };
+            let transfer = self.next_transfer;
+            self.next_transfer += 1;
+            self.outgoing.insert(transfer, OutTransfer::Encoding);
+            return SendDecision::Encode(Reservation {
+                len: len32,
+                place: Place::Rendezvous { slot, transfer },
+            });
+        }
         let max_chunk = self.writer.max_chunk() as usize;
         let place = match route(len, self.inline_max, max_chunk) {
             Route::Inline => {
@@ -603,6 +750,13 @@ impl Connection {
             }
         };
         SendDecision::Encode(Reservation { len: len32, place })
+    }
+
+    /// Whether a frame of `len` bytes goes by rendezvous.
+    pub fn goes_by_rendezvous(&self, len: usize) -> bool {
+        self.rdv
+            .threshold
+            .is_some_and(|t| len >= t && len > self.inline_max && len >= ANNOUNCE_PREFIX_LEN)
     }
 
     /// The longest frame sent in one piece (inline, or one region chunk
@@ -669,6 +823,23 @@ impl Connection {
                 assert_eq!(data.len(), r.len as usize, "heap frame length");
                 Out::Heap { data, done: 0 }
             }
+            Place::Rendezvous { slot, transfer } => {
+                let refused = match &self.lifecycle {
+                    Lifecycle::Failed(reason) => Some(Refusal::Failed(reason.clone())),
+                    _ if self.may_send() => None,
+                    _ => Some(Refusal::Closed),
+                };
+                if let Some(refused) = refused {
+                    self.cancel_send(r);
+                    return Err(refused);
+                }
+                self.outgoing.insert(transfer, OutTransfer::Queued);
+                Out::Rendezvous {
+                    slot,
+                    transfer,
+                    len: r.len,
+                }
+            }
         };
         self.queue.push_back(out);
         Ok(())
@@ -687,6 +858,10 @@ impl Connection {
                 self.writer.roll_back_to(head_before);
             }
             Place::Heap => self.heap_queued = false,
+            Place::Rendezvous { slot, transfer } => {
+                self.free_send.push(slot);
+                self.outgoing.remove(&transfer);
+            }
         }
         self.wake.senders = true;
     }
@@ -763,6 +938,22 @@ impl Connection {
                     h.pos = pos;
                     self.push_send(WorkKind::Send, slot, h, 0);
                 }
+                Out::Rendezvous {
+                    slot,
+                    transfer,
+                    len,
+                } => {
+                    let (slot, transfer, len) = (*slot, *transfer, *len);
+                    if !self.credits.take_data() {
+                        break;
+                    }
+                    self.queue.pop_front();
+                    self.outgoing.insert(transfer, OutTransfer::Announced);
+                    let mut h = Header::new(Kind::Announce);
+                    h.len = len;
+                    h.pos = transfer;
+                    self.push_send(WorkKind::Send, slot, h, super::ANNOUNCE_BODY_LEN);
+                }
                 Out::Heap { data, done } => {
                     if self.credits.available() < 2 || self.free_heap.is_empty() {
                         break;
@@ -794,6 +985,18 @@ impl Connection {
                 }
             }
         }
+        self.schedule_reads();
+        // `Done`s go from control slots, each taking a data credit (the
+        // reserved one stays for `Credit` and `Close`).
+        while !self.dones.is_empty() && !self.free_ctrl.is_empty() && self.credits.take_data() {
+            let slot = self.free_ctrl.pop().expect("checked");
+            let transfer = self.dones.pop_front().expect("checked");
+            let mut h = Header::new(Kind::Done);
+            h.pos = transfer;
+            // Any control message answers a probe.
+            self.probe = false;
+            self.push_send(WorkKind::Control, slot, h, 0);
+        }
         if let Some(&slot) = self.free_ctrl.last() {
             let kind = if self.own_close() == OwnClose::Requested && self.queue.is_empty() {
                 Some(Kind::Close)
@@ -812,6 +1015,53 @@ impl Connection {
                     self.probe = false;
                     self.push_send(WorkKind::Control, slot, Header::new(kind), 0);
                 }
+            }
+        }
+    }
+
+    /// Gives the pool to the peer's transfers in arrival order (one that
+    /// does not fit yet holds up the later ones: no starvation), and posts
+    /// READs, oldest transfer first, up to the read depth.
+    fn schedule_reads(&mut self) {
+        let mut free = self.rdv.pool_bytes - self.pool_in_use;
+        for t in self.incoming.iter_mut() {
+            if t.state != InState::WaitPool {
+                continue;
+            }
+            let charge = pool_charge(t.len);
+            if charge > free {
+                break;
+            }
+            free -= charge;
+            self.pool_in_use += charge;
+            t.state = InState::Reading;
+            self.transmit.push_back(Transmit::Alloc {
+                transfer: t.id,
+                len: t.len,
+            });
+        }
+        for t in self.incoming.iter_mut() {
+            if self.reads.len() >= self.rdv.read_depth as usize {
+                break;
+            }
+            if t.state != InState::Reading {
+                continue;
+            }
+            while t.next < t.len && self.reads.len() < self.rdv.read_depth as usize {
+                let n = (t.len - t.next).min(self.rdv.read_chunk);
+                let seq = self.read_seq;
+                self.read_seq = self.read_seq.wrapping_add(1);
+                self.transmit.push_back(Transmit::Read {
+                    transfer: t.id,
+                    offset: t.next,
+                    len: n,
+                    addr: t.ann.addr.wrapping_add(t.next as u64),
+                    rkey: t.ann.rkey,
+                    seq,
+                });
+                self.reads.push_back((seq, t.id, n));
+                t.next += n;
+                self.in_flight += 1;
             }
         }
     }
@@ -836,10 +1086,21 @@ impl Connection {
             ));
             return;
         }
+        let mut read = None;
         let was_posted = if kind == WorkKind::Write {
             let posted = self.writes_posted > 0;
             self.writes_posted = self.writes_posted.saturating_sub(1);
             posted
+        } else if kind == WorkKind::Read {
+            // An RC send queue completes in posting order.
+            match self.reads.front() {
+                Some(&(seq, transfer, len)) if seq == index => {
+                    self.reads.pop_front();
+                    read = Some((transfer, len));
+                    true
+                }
+                _ => false,
+            }
         } else {
             // In range (checked above): the flag exists.
             self.posted_flag(kind, index)
@@ -880,6 +1141,18 @@ impl Connection {
             WorkKind::Control => self.free_ctrl.push(index),
             WorkKind::Heap => self.free_heap.push(index),
             WorkKind::Write => {}
+            WorkKind::Read => {
+                let (transfer, len) = read.expect("a posted READ");
+                self.reads_completed += 1;
+                if let Some(t) = self.incoming.iter_mut().find(|t| t.id == transfer) {
+                    t.read += len;
+                    if t.read == t.len {
+                        t.state = InState::Read;
+                        self.dones.push_back(transfer);
+                        self.wake.receiver = true;
+                    }
+                }
+            }
         }
     }
 
@@ -894,6 +1167,8 @@ impl Connection {
             WorkKind::Heap => heap.contains(&index),
             // Posted with index 0 (`push_write`'s request).
             WorkKind::Write => index == 0,
+            // Any sequence number; checked against the READs posted.
+            WorkKind::Read => true,
         }
     }
 
@@ -903,7 +1178,7 @@ impl Connection {
         let at = match kind {
             WorkKind::Recv => index,
             WorkKind::Send | WorkKind::Control | WorkKind::Heap => self.ring_slots + index,
-            WorkKind::Write => return None,
+            WorkKind::Write | WorkKind::Read => return None,
         };
         self.posted.get_mut(at as usize)
     }
@@ -917,18 +1192,13 @@ impl Connection {
     }
 
     /// A receive completed in `slot` with `byte_len` bytes.
-    fn on_receive(
-        &mut self,
-        slot: u32,
-        byte_len: usize,
-        header: &[u8],
-    ) -> Result<(), ProtocolError> {
+    fn on_receive(&mut self, slot: u32, byte_len: usize, peek: &[u8]) -> Result<(), ProtocolError> {
         if byte_len > self.slot_size {
             return Err(ProtocolError::new(format!(
                 "receive of {byte_len} bytes in a smaller slot"
             )));
         }
-        let header = Header::decode(header, byte_len)?;
+        let header = Header::decode(peek, byte_len)?;
         self.ring.on_arrival()?;
         self.credits.grant(header.credits)?;
         if header.freed_to > self.region_sent_to {
@@ -953,6 +1223,24 @@ impl Connection {
                 });
             }
             Kind::Credit => self.repost(slot),
+            Kind::Announce => self.on_announce(slot, &header, peek)?,
+            Kind::Done => {
+                self.repost(slot);
+                match self.outgoing.get(&header.pos) {
+                    Some(OutTransfer::Announced) => {
+                        self.outgoing.remove(&header.pos);
+                        self.transmit.push_back(Transmit::Release {
+                            transfer: header.pos,
+                        });
+                    }
+                    _ => {
+                        return Err(ProtocolError::new(format!(
+                            "Done for transfer {}, which is not announced",
+                            header.pos
+                        )))
+                    }
+                }
+            }
             Kind::Close => {
                 self.repost(slot);
                 self.arrived.push_back(Arrived::Eof);
@@ -967,6 +1255,118 @@ impl Connection {
         Ok(())
     }
 
+    /// The peer announced a rendezvous transfer in `slot` (held until
+    /// the frame is delivered).
+    fn on_announce(
+        &mut self,
+        slot: u32,
+        header: &Header,
+        peek: &[u8],
+    ) -> Result<(), ProtocolError> {
+        if self.rdv.pool_bytes == 0 {
+            return Err(ProtocolError::new(
+                "rendezvous announced, but this side takes none",
+            ));
+        }
+        let ann = Announcement::decode(peek.get(HEADER_LEN..).unwrap_or_default())?;
+        let transfer = header.pos;
+        if self.incoming.iter().any(|t| t.id == transfer) {
+            return Err(ProtocolError::new(format!(
+                "transfer {transfer} announced while it is in flight"
+            )));
+        }
+        let len = header.len as usize;
+        let over = len > self.reassembly.max_frame_len();
+        if over {
+            // Skipped unread (or failing the connection at delivery):
+            // the sender may release it at once.
+            self.dones.push_back(transfer);
+        }
+        self.incoming.push_back(Incoming {
+            id: transfer,
+            len,
+            lane: lane(&ann.prefix),
+            ann,
+            state: if over {
+                InState::Skipped
+            } else {
+                InState::WaitPool
+            },
+            next: 0,
+            read: 0,
+        });
+        self.arrived
+            .push_back(Arrived::Rendezvous { slot, transfer });
+        Ok(())
+    }
+
+    /// The application dropped a rendezvous frame of `len` bytes
+    /// ([`Delivered::Pooled`]): its destination goes back to the pool.
+    pub fn handle_pool_released(&mut self, len: usize) {
+        self.pool_in_use = self.pool_in_use.saturating_sub(pool_charge(len));
+    }
+
+    /// Pool bytes charged to destinations now (being read, or delivered
+    /// and not yet released).
+    pub fn pool_in_use(&self) -> u64 {
+        self.pool_in_use
+    }
+
+    /// RDMA READs completed so far.
+    pub fn reads_completed(&self) -> u64 {
+        self.reads_completed
+    }
+
+    /// Our rendezvous transfers not yet `Done`.
+    pub fn transfers_out(&self) -> usize {
+        self.outgoing.len()
+    }
+
+    /// The peer's rendezvous transfers not yet delivered.
+    pub fn transfers_in(&self) -> usize {
+        self.incoming.len()
+    }
+
+    /// Which arrived message to deliver next, if any may go now: the
+    /// first, or one behind rendezvous frames still being read whose
+    /// call ([`lane`]) differs from theirs and from every message it
+    /// passes (only inline and rendezvous frames overtake; region
+    /// chunks and the end of the stream never do).
+    fn next_deliverable(&self, mem: &impl ReadReceived) -> Option<usize> {
+        let mut blocked: Vec<u64> = Vec::new();
+        for (i, arrived) in self.arrived.iter().enumerate() {
+            if i > 0 && self.reassembly.in_frame() {
+                return None;
+            }
+            let (ready, lane) = match *arrived {
+                Arrived::Rendezvous { transfer, .. } => {
+                    let t = self.incoming.iter().find(|t| t.id == transfer)?;
+                    (matches!(t.state, InState::Read | InState::Skipped), t.lane)
+                }
+                Arrived::Inline { slot, len } => {
+                    if i == 0 {
+                        return Some(0);
+                    }
+                    let mut call = [0; 12];
+                    let lane = if len as usize >= call.len() {
+                        mem.read_slot(slot, HEADER_LEN, &mut call);
+                        lane(&call)
+                    } else {
+                        None
+                    };
+                    (true, lane)
+                }
+                Arrived::Chunk { .. } | Arrived::Eof => return (i == 0).then_some(0),
+            };
+            if ready && (i == 0 || lane.is_some_and(|l| !blocked.contains(&l))) {
+                return Some(i);
+            }
+            // It waits, and so does whatever of its call comes behind it.
+            blocked.push(lane?);
+        }
+        None
+    }
+
     // ---- delivering ----
 
     /// What the application gets next, if anything is there; `mem` reads
@@ -974,10 +1374,37 @@ impl Connection {
     /// delivered (a protocol violation drops them), then the failure.
     pub fn poll_delivery(&mut self, mem: &impl ReadReceived) -> Option<Delivered> {
         loop {
-            let Some(arrived) = self.arrived.pop_front() else {
+            let Some(arrived) = self
+                .next_deliverable(mem)
+                .and_then(|i| self.arrived.remove(i))
+            else {
                 return self.failure().map(|r| Delivered::Failed(r.to_string()));
             };
             match arrived {
+                Arrived::Rendezvous { slot, transfer } => {
+                    if self.reassembly.in_frame() {
+                        self.fail_protocol("rendezvous frame inside a chunked one");
+                        continue;
+                    }
+                    let at = self
+                        .incoming
+                        .iter()
+                        .position(|t| t.id == transfer)
+                        .expect("a deliverable transfer");
+                    let t = self.incoming.remove(at).expect("found");
+                    self.repost(slot);
+                    if t.state == InState::Skipped {
+                        let verdict = self
+                            .reassembly
+                            .check_len(t.len, &t.ann.prefix)
+                            .expect("skipped frames are over the limit");
+                        return Some(self.verdict(verdict));
+                    }
+                    return Some(Delivered::Pooled {
+                        transfer,
+                        len: t.len,
+                    });
+                }
                 Arrived::Eof => {
                     self.arrived.push_front(Arrived::Eof);
                     return Some(Delivered::Eof);
@@ -1089,7 +1516,7 @@ impl Connection {
         format!(
             "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
              in_flight {} writer_in_use {} | ring held {} outstanding {} pending {} arrived {} \
-             reader_wants_report {} | {:?}",
+             reader_wants_report {} | rendezvous out {} in {} reads {} pool {} dones {} | {:?}",
             self.credits.available(),
             self.queue.len(),
             match self.queue.front() {
@@ -1097,6 +1524,7 @@ impl Connection {
                 Some(Out::Inline { .. }) => "inline",
                 Some(Out::Region { .. }) => "region",
                 Some(Out::Heap { .. }) => "heap",
+                Some(Out::Rendezvous { .. }) => "rendezvous",
             },
             self.free_send.len(),
             self.free_ctrl.len(),
@@ -1109,6 +1537,11 @@ impl Connection {
             self.ring.pending(),
             self.arrived.len(),
             self.reader.wants_report(),
+            self.outgoing.len(),
+            self.incoming.len(),
+            self.reads.len(),
+            self.pool_in_use,
+            self.dones.len(),
             self.lifecycle,
         )
     }
@@ -1134,6 +1567,7 @@ mod tests {
             max_frame_len: 1000,
             max_skip_len: 4000,
             prefix_len: 20,
+            rendezvous: RendezvousConfig::OFF,
         })
     }
 
@@ -1419,5 +1853,320 @@ mod tests {
         while conn.poll_transmit().is_some() {}
         complete(&mut conn, WorkKind::Recv.wr_id(0), &credit_message(100));
         assert_eq!(conn.failure(), None);
+    }
+
+    // ---- rendezvous ----
+
+    /// A connection taking rendezvous transfers: frames up to 1000 bytes,
+    /// a pool of two of them, READs of 300 bytes, two at a time.
+    fn rendezvous_connection() -> Connection {
+        Connection::new(Config {
+            rendezvous: RendezvousConfig {
+                threshold: Some(200),
+                pool_bytes: 2 * crate::proto::POOL_GRANULE,
+                read_chunk: 300,
+                read_depth: 2,
+                max_outgoing: 2,
+            },
+            ..connection_config()
+        })
+    }
+
+    fn connection_config() -> Config {
+        Config {
+            ring_slots: RING_SLOTS,
+            slot_size: 96,
+            region_len: 256,
+            peer_ring_slots: SLOTS,
+            peer_region_len: 256,
+            inline_max: 96 - HEADER_LEN,
+            max_frame_len: 1000,
+            max_skip_len: 4000,
+            prefix_len: 20,
+            rendezvous: RendezvousConfig::OFF,
+        }
+    }
+
+    /// The first bytes of a frame of call `call`.
+    fn frame_head(call: u64) -> [u8; crate::proto::ANNOUNCE_PREFIX_LEN] {
+        let mut prefix = [0; crate::proto::ANNOUNCE_PREFIX_LEN];
+        prefix[4..12].copy_from_slice(&call.to_le_bytes());
+        prefix
+    }
+
+    /// The peer announces transfer `id` of `len` bytes of call `call` in
+    /// receive slot `slot`.
+    fn announce(conn: &mut Connection, slot: u32, id: u64, len: u32, call: u64) {
+        let mut h = Header::new(Kind::Announce);
+        h.len = len;
+        h.pos = id;
+        let mut msg = vec![0; crate::proto::PEEK_LEN];
+        h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+        Announcement {
+            addr: 0x1000,
+            rkey: 7,
+            prefix: frame_head(call),
+        }
+        .encode(&mut msg[HEADER_LEN..]);
+        complete(conn, WorkKind::Recv.wr_id(slot), &msg);
+    }
+
+    /// Receive slots holding inline frames, for `poll_delivery`.
+    struct Slots(Vec<Vec<u8>>);
+
+    impl ReadReceived for Slots {
+        fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
+            dst.copy_from_slice(&self.0[slot as usize][offset..offset + dst.len()]);
+        }
+        fn read_region(&self, _: usize, _: &mut [u8]) {
+            unreachable!("no region frames here")
+        }
+    }
+
+    fn transmits(conn: &mut Connection) -> Vec<Transmit> {
+        std::iter::from_fn(|| conn.poll_transmit()).collect()
+    }
+
+    #[test]
+    fn an_announcement_the_side_cannot_take_fails_the_connection() {
+        // Rendezvous off here.
+        let mut conn = connection();
+        announce(&mut conn, 0, 1, 500, 1);
+        assert!(conn.failure().unwrap().contains("takes none"));
+        // The same id twice while in flight.
+        let mut conn = rendezvous_connection();
+        announce(&mut conn, 0, 1, 500, 1);
+        assert_eq!(conn.failure(), None);
+        announce(&mut conn, 1, 1, 500, 1);
+        assert!(conn.failure().unwrap().contains("in flight"));
+        // A body that is not an announcement's.
+        let mut conn = rendezvous_connection();
+        let mut h = Header::new(Kind::Announce);
+        h.len = 500;
+        let mut msg = vec![0; crate::proto::PEEK_LEN];
+        h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+        msg[HEADER_LEN + 12] = 1; // reserved
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &msg);
+        assert!(conn.failure().unwrap().contains("reserved"));
+    }
+
+    #[test]
+    fn a_done_for_a_transfer_not_announced_fails_the_connection() {
+        let mut conn = rendezvous_connection();
+        let mut done = Header::new(Kind::Done);
+        done.pos = 5;
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &done.to_bytes());
+        assert!(conn.failure().unwrap().contains("not announced"));
+
+        // Our own transfer, encoded but not yet announced: not either.
+        let mut conn = rendezvous_connection();
+        let SendDecision::Encode(r) = conn.handle_send(500) else {
+            panic!("no rendezvous")
+        };
+        let EncodeInto::Rendezvous { transfer, .. } = conn.encode_into(&r) else {
+            panic!("not a rendezvous: {:?}", conn.encode_into(&r))
+        };
+        let mut done = Header::new(Kind::Done);
+        done.pos = transfer;
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &done.to_bytes());
+        assert!(conn.failure().unwrap().contains("not announced"));
+
+        // Announced: its Done releases it, once.
+        let mut conn = rendezvous_connection();
+        let SendDecision::Encode(r) = conn.handle_send(500) else {
+            panic!("no rendezvous")
+        };
+        let EncodeInto::Rendezvous { transfer, .. } = conn.encode_into(&r) else {
+            panic!("not a rendezvous")
+        };
+        conn.queue_frame(r, None).unwrap();
+        let sent = transmits(&mut conn);
+        assert!(matches!(
+            sent[..],
+            [Transmit::Send { header: Header { kind: Kind::Announce, len: 500, pos, .. }, body_len, .. }]
+                if pos == transfer && body_len == crate::proto::ANNOUNCE_BODY_LEN
+        ));
+        assert!(!conn.is_drained());
+        let mut done = Header::new(Kind::Done);
+        done.pos = transfer;
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &done.to_bytes());
+        assert_eq!(conn.failure(), None);
+        assert!(transmits(&mut conn).contains(&Transmit::Release { transfer }));
+        assert_eq!(conn.transfers_out(), 0);
+        complete(&mut conn, WorkKind::Recv.wr_id(1), &done.to_bytes());
+        assert!(conn.failure().unwrap().contains("not announced"));
+    }
+
+    #[test]
+    fn transfers_wait_for_the_pool_and_reads_stay_within_their_depth() {
+        let mut conn = rendezvous_connection();
+        for id in 0..3 {
+            announce(&mut conn, id as u32, id, 1000, 100 + id);
+        }
+        // Two frames' worth of pool: two destinations, two READs.
+        let t = transmits(&mut conn);
+        let allocs: Vec<_> = t
+            .iter()
+            .filter_map(|t| match t {
+                Transmit::Alloc { transfer, len } => Some((*transfer, *len)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(allocs, [(0, 1000), (1, 1000)]);
+        let reads: Vec<_> = t
+            .iter()
+            .filter_map(|t| match *t {
+                Transmit::Read {
+                    transfer,
+                    offset,
+                    len,
+                    addr,
+                    rkey,
+                    seq,
+                } => Some((transfer, offset, len, addr, rkey, seq)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            reads,
+            [(0, 0, 300, 0x1000, 7, 0), (0, 300, 300, 0x1000 + 300, 7, 1)]
+        );
+        // A READ completing out of order is a broken verbs layer.
+        let mut broken = rendezvous_connection();
+        announce(&mut broken, 0, 0, 1000, 1);
+        let _ = transmits(&mut broken);
+        complete(&mut broken, WorkKind::Read.wr_id(1), &[]);
+        assert!(broken.failure().unwrap().contains("not posted"));
+        // Complete every READ: transfers 0 and 1 are read, 2 waits.
+        let slots = Slots(vec![vec![0; 96]; RING_SLOTS as usize]);
+        // READs 0 and 1 were issued above.
+        let mut seq = 2;
+        let mut delivered = Vec::new();
+        loop {
+            // Every READ issued so far completes (in order).
+            while let Some(&(s, _, _)) = conn.reads.front() {
+                complete(&mut conn, WorkKind::Read.wr_id(s), &[]);
+            }
+            while let Some(d) = conn.poll_delivery(&slots) {
+                delivered.push(d);
+            }
+            assert_eq!(conn.failure(), None);
+            for t in transmits(&mut conn) {
+                if let Transmit::Read { seq: s, .. } = t {
+                    assert_eq!(s, seq, "READs numbered in order");
+                    seq += 1;
+                }
+            }
+            assert!(conn.reads.len() <= 2, "over the read depth");
+            if conn.reads.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(
+            delivered,
+            [
+                Delivered::Pooled {
+                    transfer: 0,
+                    len: 1000
+                },
+                Delivered::Pooled {
+                    transfer: 1,
+                    len: 1000
+                },
+            ]
+        );
+        assert_eq!(conn.transfers_in(), 1, "the third waits for the pool");
+        // Dones went for both (each with a data credit, from control slots).
+        // The application drops one frame: the third is read.
+        conn.handle_pool_released(1000);
+        let t = transmits(&mut conn);
+        assert!(t.contains(&Transmit::Alloc {
+            transfer: 2,
+            len: 1000
+        }));
+    }
+
+    #[test]
+    fn frames_of_other_calls_pass_a_transfer_being_read_and_those_of_its_call_wait() {
+        let mut conn = rendezvous_connection();
+        announce(&mut conn, 0, 9, 1000, 1);
+        let _ = transmits(&mut conn);
+        let mut slots = Slots(vec![vec![0; 96]; RING_SLOTS as usize]);
+        // Inline frames of call 2, then call 1, then call 3.
+        for (slot, call) in [(1u32, 2u64), (2, 1), (3, 3)] {
+            let mut h = Header::new(Kind::Inline);
+            h.len = 20;
+            let mut msg = vec![0; HEADER_LEN + 20];
+            h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+            msg[HEADER_LEN..HEADER_LEN + 12].copy_from_slice(&frame_head(call)[..12]);
+            slots.0[slot as usize][..msg.len()].copy_from_slice(&msg);
+            conn.handle_completion(Completion {
+                wr_id: WorkKind::Recv.wr_id(slot),
+                failure: None,
+                byte_len: msg.len(),
+                header: &msg[..HEADER_LEN],
+            });
+        }
+        let first: Vec<_> = std::iter::from_fn(|| conn.poll_delivery(&slots)).collect();
+        assert_eq!(
+            first,
+            [
+                Delivered::InSlot { slot: 1, len: 20 },
+                Delivered::InSlot { slot: 3, len: 20 },
+            ],
+            "calls 2 and 3 pass; call 1's frame waits behind its transfer"
+        );
+        while let Some(&(s, _, _)) = conn.reads.front() {
+            complete(&mut conn, WorkKind::Read.wr_id(s), &[]);
+            let _ = transmits(&mut conn);
+        }
+        let rest: Vec<_> = std::iter::from_fn(|| conn.poll_delivery(&slots)).collect();
+        assert_eq!(
+            rest,
+            [
+                Delivered::Pooled {
+                    transfer: 9,
+                    len: 1000
+                },
+                Delivered::InSlot { slot: 2, len: 20 },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_oversized_transfer_is_skipped_unread_and_released_at_once() {
+        let mut conn = rendezvous_connection();
+        announce(&mut conn, 0, 4, 3000, 1);
+        let t = transmits(&mut conn);
+        assert!(t
+            .iter()
+            .all(|t| !matches!(t, Transmit::Alloc { .. } | Transmit::Read { .. })));
+        assert!(
+            t.iter().any(|t| matches!(
+                t,
+                Transmit::Send {
+                    header: Header {
+                        kind: Kind::Done,
+                        pos: 4,
+                        ..
+                    },
+                    ..
+                }
+            )),
+            "{t:?}"
+        );
+        let slots = Slots(vec![vec![0; 96]; RING_SLOTS as usize]);
+        assert!(matches!(
+            conn.poll_delivery(&slots),
+            Some(Delivered::Oversized { len: 3000, .. })
+        ));
+        // Past the skip limit: the connection fails.
+        let mut conn = rendezvous_connection();
+        announce(&mut conn, 0, 4, 5000, 1);
+        assert_eq!(
+            conn.poll_delivery(&slots),
+            Some(Delivered::TooLarge { len: 5000 })
+        );
+        assert!(conn.failure().is_some());
     }
 }

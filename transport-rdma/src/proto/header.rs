@@ -22,6 +22,13 @@ pub enum Kind {
     Credit = 3,
     /// Orderly end of stream.
     Close = 4,
+    /// A rendezvous: the sender announces a frame of `len` bytes, transfer
+    /// id `pos`, in its registered memory; the body is an
+    /// [`Announcement`](super::Announcement) (segment and the frame's first
+    /// bytes). The receiver RDMA READs it, then answers `Done`.
+    Announce = 5,
+    /// The receiver has read rendezvous transfer `pos`: the sender releases it.
+    Done = 6,
 }
 
 /// The header of one message.
@@ -40,7 +47,8 @@ pub struct Header {
     pub len: u32,
     /// The whole frame's length (`Chunk` with [`FIRST`]), else 0.
     pub total: u32,
-    /// Region stream position of the chunk (`Chunk`), else 0.
+    /// Region stream position of the chunk (`Chunk`), the transfer id
+    /// (`Announce`, `Done`), else 0.
     pub pos: u64,
     /// The sender's region is freed up to this stream position.
     pub freed_to: u64,
@@ -94,6 +102,8 @@ impl Header {
             2 => Kind::Chunk,
             3 => Kind::Credit,
             4 => Kind::Close,
+            5 => Kind::Announce,
+            6 => Kind::Done,
             other => return Err(ProtocolError::new(format!("unknown message kind {other}"))),
         };
         let header = Header {
@@ -142,6 +152,28 @@ impl Header {
                         "first chunk of {} bytes is longer than its frame of {}",
                         header.len, header.total
                     )));
+                }
+            }
+            Kind::Announce => {
+                if body != super::ANNOUNCE_BODY_LEN {
+                    return Err(ProtocolError::new(format!(
+                        "announcement with a body of {body} bytes, not {}",
+                        super::ANNOUNCE_BODY_LEN
+                    )));
+                }
+                if header.flags != 0 || header.total != 0 {
+                    return Err(ProtocolError::new("announcement with chunk fields set"));
+                }
+                if (header.len as usize) < super::ANNOUNCE_PREFIX_LEN {
+                    return Err(ProtocolError::new(format!(
+                        "rendezvous frame of {} bytes, shorter than its announced prefix",
+                        header.len
+                    )));
+                }
+            }
+            Kind::Done => {
+                if body != 0 || header.flags != 0 || header.len != 0 || header.total != 0 {
+                    return Err(ProtocolError::new("malformed Done message"));
                 }
             }
             Kind::Credit | Kind::Close => {
@@ -212,6 +244,30 @@ mod tests {
         let mut credit = Header::new(Kind::Credit);
         credit.len = 1;
         assert!(Header::decode(&full(credit), HEADER_LEN).is_err());
+        let mut announce = Header::new(Kind::Announce);
+        announce.len = 4096;
+        announce.pos = 3;
+        let mut msg = full(announce);
+        msg.extend_from_slice(&[0; crate::proto::ANNOUNCE_BODY_LEN]);
+        assert_eq!(
+            Header::decode(&msg, HEADER_LEN + crate::proto::ANNOUNCE_BODY_LEN),
+            Ok(announce)
+        );
+        assert!(Header::decode(&msg, HEADER_LEN).is_err(), "no body");
+        announce.len = 8;
+        assert!(
+            Header::decode(
+                &full(announce),
+                HEADER_LEN + crate::proto::ANNOUNCE_BODY_LEN
+            )
+            .is_err(),
+            "shorter than its prefix"
+        );
+        let mut done = Header::new(Kind::Done);
+        done.pos = 3;
+        assert_eq!(Header::decode(&full(done), HEADER_LEN), Ok(done));
+        done.len = 1;
+        assert!(Header::decode(&full(done), HEADER_LEN).is_err());
         let mut reserved = full(Header::new(Kind::Close));
         reserved[12] = 1;
         assert!(Header::decode(&reserved, HEADER_LEN).is_err());

@@ -5,7 +5,7 @@ use super::{ProtocolError, HEADER_LEN};
 /// First bytes of every [`Hello`]: `"RRPC"`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
 
@@ -152,7 +152,7 @@ mod tests {
         b[0] ^= 1;
         assert!(Hello::decode(&b, &LIMITS).is_err());
         let mut b = hello().to_bytes();
-        b[4] = 2;
+        b[4] = 1; // version 1 (before the rendezvous)
         assert!(Hello::decode(&b, &LIMITS).is_err());
         for bad in [
             Hello {

@@ -33,6 +33,10 @@
 //! in place before the SEND's receive completes. Each message also returns
 //! `credits` receive slots and the sender's region `freed_to` position.
 //! `Credit` messages carry only those; `Close` ends the stream.
+//! `Announce` and `Done` carry the rendezvous of large frames (the
+//! receiver RDMA READs them out of the sender's memory): see the
+//! `rendezvous` module's docs, [`Announcement`] and [`RendezvousConfig`].
+//! (Version 2 added them; a version-1 peer is refused at connect.)
 
 pub mod auth;
 mod connection;
@@ -42,6 +46,7 @@ mod hello;
 mod reassembly;
 mod refusal;
 mod region;
+mod rendezvous;
 #[cfg(test)]
 mod sim;
 
@@ -55,6 +60,10 @@ pub use hello::{Hello, HelloLimits, HELLO_LEN, MAGIC, VERSION};
 pub use reassembly::{Assembled, Reassembly};
 pub use refusal::{Refused, REFUSED_LEN};
 pub use region::{max_chunk, RegionReader, RegionWriter};
+pub use rendezvous::{
+    lane, pool_charge, Announcement, RendezvousConfig, ANNOUNCE_BODY_LEN, ANNOUNCE_PREFIX_LEN,
+    PEEK_LEN, POOL_GRANULE,
+};
 
 /// The peer broke the protocol: the connection must be closed and its calls failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -627,8 +627,8 @@ fn conn_param(private_data: &[u8]) -> Result<ffi::rdma_conn_param> {
             private_data.as_ptr().cast()
         },
         private_data_len: len,
-        responder_resources: 1,
-        initiator_depth: 1,
+        responder_resources: super::READ_DEPTH as u8,
+        initiator_depth: super::READ_DEPTH as u8,
         flow_control: 0,
         retry_count: 7,
         rnr_retry_count: 7,

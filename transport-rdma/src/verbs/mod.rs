@@ -63,6 +63,11 @@ pub use qp::{QpCapabilities, QueuePair};
 
 use std::io;
 
+/// RDMA READs a queue pair keeps in flight as initiator, and serves as
+/// responder (the connection manager's `initiator_depth` and
+/// `responder_resources`; rxe allows 128, most NICs 16).
+pub const READ_DEPTH: u32 = 16;
+
 /// The `io::Error` for a C call that reported failure through `errno`.
 fn last_os_error() -> io::Error {
     io::Error::last_os_error()

@@ -119,16 +119,19 @@ impl MemoryRegion {
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
         let len = len.max(1);
         let remote_write = access.0 & Access::REMOTE_WRITE.0 != 0;
+        let remote = access.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0) != 0;
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        // A region the peer writes is registered zero-based (its remote
-        // addresses are offsets, so the hello tells the peer nothing of this
-        // process's address space), where the device allows it.
+        // A region the peer writes or reads is registered zero-based (its
+        // remote addresses are offsets, so the hello or an announcement
+        // tells the peer nothing of this process's address space), where
+        // the device allows it. Either way the device allows remote access
+        // only inside `iova..iova + len`, and only of the kinds asked for.
         let mut iova = buf.as_ptr() as u64;
         let mut raw = ptr::null_mut();
-        if remote_write {
+        if remote {
             // SAFETY: the PD is live; `buf..buf+len` is memory this value
             // owns and frees only after deregistering it (Drop).
             raw = unsafe {

@@ -202,8 +202,42 @@ impl QueuePair {
         }
     }
 
+    /// Posts a signaled RDMA READ of `range.len()` bytes of the peer's
+    /// memory at `remote_addr` (its registration `rkey`) into `mr[range]`
+    /// (`ibv_post_send`, `IBV_WR_RDMA_READ`). Nothing is checked on the
+    /// remote side here: the peer's device checks the read against the
+    /// registration `rkey` names (bounds and remote-read access) and fails
+    /// the request (`IBV_WC_REM_ACCESS_ERR`) otherwise.
+    ///
     /// # Safety
-    /// As [`post_send`](Self::post_send).
+    /// As [`post_recv`](Self::post_recv): the device writes `mr[range]`
+    /// until the completion, so `mr` must not be dropped, and `mr[range]`
+    /// must not be read or written, until this request's completion has
+    /// been polled (or the QP is destroyed).
+    pub unsafe fn post_read(
+        &mut self,
+        wr_id: u64,
+        mr: &MemoryRegion,
+        range: Range<usize>,
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<()> {
+        // SAFETY: forwarded: the caller upholds this function's contract
+        // (for a READ, the local range is written, as a receive's is).
+        unsafe {
+            self.post(
+                wr_id,
+                mr,
+                range,
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                Some((remote_addr, rkey)),
+            )
+        }
+    }
+
+    /// # Safety
+    /// As [`post_send`](Self::post_send); for a READ, as
+    /// [`post_read`](Self::post_read).
     unsafe fn post(
         &mut self,
         wr_id: u64,

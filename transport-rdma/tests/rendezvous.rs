@@ -1,0 +1,331 @@
+//! The rendezvous of large frames on the device: frames at and around the
+//! threshold up to 256 MiB arrive byte-exact, in place in the receiver's
+//! pool (no copy), while small frames of other calls keep flowing; a full
+//! pool makes transfers wait, then complete; the memory comes back.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Role, TestEnv};
+use rpc_core::frame::{OutBody, OutFrame, HEAD_LEN};
+use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport, TransportError};
+use transport_rdma::RdmaTransport;
+
+const STEP: Duration = Duration::from_secs(600);
+
+fn payload(seed: usize, len: usize) -> Bytes {
+    (0..len)
+        .map(|i| (i.wrapping_mul(7) ^ seed.wrapping_mul(131) ^ (i >> 12)) as u8)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+async fn send(sink: &Arc<dyn FrameSink>, id: u64, body: &Bytes) -> Result<(), TransportError> {
+    let frame = OutFrame::new(id, OutBody::Message, Some(body), false).expect("frame");
+    sink.send(&frame).await
+}
+
+async fn recv(conn: &mut Connection) -> Bytes {
+    tokio::time::timeout(STEP, conn.source.recv())
+        .await
+        .expect("a frame in time")
+        .expect("no error")
+        .expect("not the end")
+}
+
+/// The call id of a received frame.
+fn call(frame: &Bytes) -> u64 {
+    u64::from_le_bytes(frame[4..12].try_into().unwrap())
+}
+
+fn skip_unless_both(env: &TestEnv) -> bool {
+    // The pair helper runs both ends in this process.
+    env.role != Role::Both
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let threshold = 64 << 10;
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(threshold));
+    let limits = FrameLimits {
+        max_frame_len: (256 << 20) + 4096,
+    };
+    let before = transport_rdma::verbs::registered_bytes();
+    {
+        let (client, mut server) = env.pair(&cfg, limits).await;
+        let mut sizes = vec![
+            threshold - HEAD_LEN - 1,
+            threshold - HEAD_LEN,
+            threshold - HEAD_LEN + 1,
+            threshold,
+            1 << 20,
+            (16 << 20) + 3,
+        ];
+        if std::env::var_os("RDV_SKIP_HUGE").is_none() {
+            sizes.push(256 << 20);
+        }
+        for (i, &len) in sizes.iter().enumerate() {
+            let body = payload(i, len);
+            let sink = Arc::clone(&client.sink);
+            let sent = body.clone();
+            let task = tokio::spawn(async move { send(&sink, i as u64 + 1, &sent).await });
+            let got = recv(&mut server).await;
+            task.await.unwrap().expect("sent");
+            assert_eq!(got.len(), HEAD_LEN + len, "frame {i} length");
+            assert!(
+                got[HEAD_LEN..] == body[..],
+                "frame {i} of {len} bytes differs"
+            );
+            let in_pool = transport_rdma::rendezvous_pool_contains(got.as_ptr());
+            assert_eq!(
+                in_pool,
+                got.len() >= threshold,
+                "frame {i} of {} bytes: in the pool {in_pool}",
+                got.len()
+            );
+            eprintln!(
+                "frame of {} bytes: exact, in the pool: {in_pool}",
+                got.len()
+            );
+        }
+    }
+    // Both ends dropped: every segment and destination is deregistered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "registered bytes {} > {before} after the connection closed",
+            transport_rdma::verbs::registered_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn small_calls_flow_while_large_transfers_are_read_and_a_full_pool_waits() {
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    // A pool of four 2 MiB frames (each charged in whole pages, its head
+    // included): four transfers at a time.
+    let cfg = RdmaTransport::default()
+        .rendezvous_threshold(Some(64 << 10))
+        .rendezvous_pool(4 * ((2 << 20) + 4096));
+    let limits = FrameLimits {
+        max_frame_len: 8 << 20,
+    };
+    let before = transport_rdma::verbs::registered_bytes();
+    {
+        let (client, mut server) = env.pair(&cfg, limits).await;
+        const LARGE: usize = 12;
+        const SMALL: usize = 200;
+        let sink = Arc::clone(&client.sink);
+        let large = tokio::spawn(async move {
+            for i in 0..LARGE {
+                // Call ids 1000.. for the large frames.
+                send(&sink, 1000 + i as u64, &payload(i, 2 << 20))
+                    .await
+                    .expect("large sent");
+            }
+        });
+        let sink = Arc::clone(&client.sink);
+        let small = tokio::spawn(async move {
+            for i in 0..SMALL {
+                send(&sink, 1 + i as u64, &payload(i, 32))
+                    .await
+                    .expect("small sent");
+            }
+        });
+        // Hold every large frame: the pool fills (four frames), the rest
+        // wait; small frames still arrive meanwhile.
+        let mut held = Vec::new();
+        let mut smalls = 0;
+        let mut small_before_last_large = 0;
+        while held.len() < 4 || smalls < SMALL {
+            let got = recv(&mut server).await;
+            if call(&got) >= 1000 {
+                held.push(got);
+            } else {
+                smalls += 1;
+                if held.len() < LARGE {
+                    small_before_last_large += 1;
+                }
+            }
+        }
+        assert_eq!(held.len(), 4, "more large frames than the pool holds");
+        // Nothing more arrives while the pool is full.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(2), server.source.recv())
+                .await
+                .is_err(),
+            "a frame arrived with the pool full"
+        );
+        // Releasing makes room: the rest arrive, exact and in order.
+        let mut next = 4;
+        for (i, frame) in held.drain(..).enumerate() {
+            assert_eq!(call(&frame), 1000 + i as u64);
+            assert!(frame[HEAD_LEN..] == payload(i, 2 << 20)[..]);
+        }
+        while next < LARGE {
+            let got = recv(&mut server).await;
+            assert_eq!(call(&got), 1000 + next as u64, "large frames in order");
+            assert!(got[HEAD_LEN..] == payload(next, 2 << 20)[..]);
+            assert!(transport_rdma::rendezvous_pool_contains(got.as_ptr()));
+            next += 1;
+        }
+        large.await.unwrap();
+        small.await.unwrap();
+        eprintln!(
+            "{small_before_last_large} of {SMALL} small frames arrived before the last large one"
+        );
+        assert_eq!(
+            small_before_last_large, SMALL,
+            "small frames waited for the pool"
+        );
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "registered bytes {} > {before} after the connection closed",
+            transport_rdma::verbs::registered_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+const HUGE: usize = 64 << 20;
+
+/// Child: connects to `RDV_CHILD_CONNECT` and sends one 64 MiB frame by
+/// rendezvous, then waits to be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn child_sender() {
+    let target = std::env::var("RDV_CHILD_CONNECT")
+        .expect("child_sender is the child half of a test: its parent runs it");
+    let cfg = RdmaTransport::default();
+    let limits = FrameLimits {
+        max_frame_len: HUGE + 4096,
+    };
+    let conn = cfg.connect(&target, limits).await.expect("child connects");
+    send(&conn.sink, 1, &payload(1, HUGE)).await.expect("sent");
+    tokio::time::sleep(Duration::from_secs(600)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back() {
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let cfg = RdmaTransport::default();
+    let limits = FrameLimits {
+        max_frame_len: HUGE + 4096,
+    };
+    let (mut listener, target) = env.listen_here(&cfg, limits).await;
+    let before = transport_rdma::verbs::registered_bytes();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_sender", "--nocapture"])
+        .env("RDV_CHILD_CONNECT", &target)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the child");
+    let mut conn = tokio::time::timeout(STEP, std::future::poll_fn(|cx| listener.poll_accept(cx)))
+        .await
+        .expect("accepts in time")
+        .expect("accepts");
+    // The destination is taken (registered) once the announcement is in:
+    // the READs run.
+    let deadline = tokio::time::Instant::now() + STEP;
+    while transport_rdma::verbs::registered_bytes() < before + HUGE as u64 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no transfer started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let started = tokio::time::Instant::now();
+    match tokio::time::timeout(Duration::from_secs(120), conn.source.recv()).await {
+        Ok(Err(e)) => eprintln!("after {:?}: {e}", started.elapsed()),
+        Ok(Ok(frame)) => panic!(
+            "got {:?} from a killed sender (killed too late?)",
+            frame.map(|f| f.len())
+        ),
+        Err(_) => panic!("the connection did not fail within 120 s"),
+    }
+    drop(conn);
+    drop(listener);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} bytes still registered after the connection failed",
+            transport_rdma::verbs::registered_bytes() - before
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Not a check: one-way push throughput by frame size through the region
+/// (rendezvous off) and by rendezvous, printed for choosing the default
+/// threshold; runs only with `RDV_MEASURE=1` (then in the same guest boot
+/// as `ib_read_bw`, for ratios).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn measure_push_throughput() {
+    if std::env::var_os("RDV_MEASURE").is_none() {
+        eprintln!("set RDV_MEASURE=1 to measure");
+        return;
+    }
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let limits = FrameLimits {
+        max_frame_len: (64 << 20) + 4096,
+    };
+    let sizes: Vec<usize> = match std::env::var("RDV_SIZES") {
+        Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
+        Err(_) => vec![64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20],
+    };
+    for (name, threshold) in [("region", None), ("rendezvous", Some(4096))] {
+        let cfg = RdmaTransport::default().rendezvous_threshold(threshold);
+        let (client, mut server) = env.pair(&cfg, limits).await;
+        for &size in &sizes {
+            let count = ((64 << 20) / size).clamp(4, 256);
+            let body = payload(size, size);
+            // Warm-up: one frame.
+            send(&client.sink, 1, &body).await.unwrap();
+            drop(recv(&mut server).await);
+            let sink = Arc::clone(&client.sink);
+            let started = std::time::Instant::now();
+            let sender = tokio::spawn(async move {
+                for i in 0..count {
+                    send(&sink, 2 + i as u64, &body).await.unwrap();
+                }
+            });
+            for _ in 0..count {
+                drop(recv(&mut server).await);
+            }
+            let took = started.elapsed();
+            sender.await.unwrap();
+            let mbps = (count * size) as f64 / took.as_secs_f64() / 1e6;
+            println!("@@push {name} {size} {count} {mbps:.1} MB/s");
+        }
+    }
+}
