@@ -1,11 +1,11 @@
 //! One connection's client state ([`ClientConn`]): the table of open calls and the reader that fills it.
 
 use std::sync::{Arc, Mutex};
-use std::task::Context;
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use slab::Slab;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::flow::SendWindow;
 use crate::frame::{peek_head, Frame, FrameBody, FrameKind, OutBody, OutFrame};
@@ -57,59 +57,80 @@ pub(super) type SingleResponse = Result<(Bytes, MetadataMap), Status>;
 pub(super) enum Inbox {
     /// A response stream: every message and the status, through a channel.
     Stream(mpsc::UnboundedSender<Inbound>),
-    /// A single response: the message waits here for the status, and the
-    /// outcome goes to the caller once (no channel per call to allocate).
+    /// A single response: the message waits here for the status; the caller
+    /// polls the slot ([`ClientConn::poll_single`]) and is woken once, when
+    /// the outcome is in (no channel per call to allocate).
     Single {
         message: Option<Bytes>,
-        /// `None` once the outcome is sent.
-        tx: Option<oneshot::Sender<SingleResponse>>,
+        /// The caller's waker, from its latest poll.
+        waiter: Option<Waker>,
     },
+    /// A single response's outcome, waiting for its caller to take it. The
+    /// call is over: nothing more is delivered to it, and it is not
+    /// cancelled when its caller goes away.
+    Done(SingleResponse),
 }
 
 impl Inbox {
-    pub(super) fn single(tx: oneshot::Sender<SingleResponse>) -> Inbox {
+    pub(super) fn single() -> Inbox {
         Inbox::Single {
             message: None,
-            tx: Some(tx),
+            waiter: None,
         }
     }
 
-    pub(super) fn message(&mut self, payload: Bytes) {
+    /// Whether the call still takes what the server sends.
+    fn is_open(&self) -> bool {
+        !matches!(self, Inbox::Done(_))
+    }
+
+    /// Delivers a message; returns the waker to wake if that ended the call.
+    #[must_use]
+    pub(super) fn message(&mut self, payload: Bytes) -> Option<Waker> {
         match self {
             Inbox::Stream(tx) => {
                 let _ = tx.send(Inbound::Message(payload));
+                None
             }
-            Inbox::Single { message, tx } => {
-                if message.is_none() {
-                    *message = Some(payload);
-                } else if let Some(tx) = tx.take() {
-                    let _ = tx.send(Err(Status::internal(
-                        "server sent more than one message on a unary response",
-                    )));
-                }
+            Inbox::Single { message, .. } if message.is_none() => {
+                *message = Some(payload);
+                None
             }
+            Inbox::Single { .. } => self.conclude(Err(Status::internal(
+                "server sent more than one message on a unary response",
+            ))),
+            Inbox::Done(_) => None,
         }
     }
 
-    pub(super) fn finish(self, status: Status) {
+    /// Ends the call with `status`; returns the waker to wake (a single
+    /// response's caller: wake it once the table is unlocked).
+    #[must_use]
+    pub(super) fn finish(&mut self, mut status: Status) -> Option<Waker> {
         match self {
             Inbox::Stream(tx) => {
                 let _ = tx.send(Inbound::Status(status));
+                None
             }
-            Inbox::Single {
-                message,
-                tx: Some(tx),
-            } => {
-                let outcome = match message {
+            Inbox::Single { message, .. } => {
+                let outcome = match message.take() {
                     _ if !status.is_ok() => Err(status),
-                    Some(bytes) => Ok((bytes, status.metadata().clone())),
+                    Some(bytes) => Ok((bytes, std::mem::take(status.metadata_mut()))),
                     None => Err(Status::internal(
                         "server ended the call without a response message",
                     )),
                 };
-                let _ = tx.send(outcome);
+                self.conclude(outcome)
             }
-            Inbox::Single { tx: None, .. } => {}
+            Inbox::Done(_) => None,
+        }
+    }
+
+    /// A single response's outcome is in: kept for the caller, who is woken.
+    fn conclude(&mut self, outcome: SingleResponse) -> Option<Waker> {
+        match std::mem::replace(self, Inbox::Done(outcome)) {
+            Inbox::Single { waiter, .. } => waiter,
+            _ => None,
         }
     }
 }
@@ -184,32 +205,89 @@ impl ClientConn {
         Ok((generation as u64) << 32 | key as u64)
     }
 
-    pub(super) fn take_call(&self, id: u64) -> Option<CallSlot> {
+    /// Ends call `id` with `status` (after `message`, the last response
+    /// message, if any), if it was still open: a stream's slot goes, a single
+    /// response's outcome stays for its caller. Returns whether it was open.
+    fn end_call(&self, id: u64, message: Option<Bytes>, status: Status) -> bool {
         let (key, generation) = split_id(id);
         let mut table = self.table();
-        match table.slots.get(key) {
-            Some(slot) if slot.generation == generation => Some(table.slots.remove(key)),
-            _ => None,
+        let Some(slot) = table
+            .slots
+            .get_mut(key)
+            .filter(|s| s.generation == generation && s.inbox.is_open())
+        else {
+            return false;
+        };
+        if let Some(window) = &slot.window {
+            window.close();
+        }
+        if let Inbox::Stream(_) = slot.inbox {
+            let mut slot = table.slots.remove(key);
+            drop(table);
+            if let Some(payload) = message {
+                let _ = slot.inbox.message(payload);
+            }
+            let _ = slot.inbox.finish(status);
+            return true;
+        }
+        let mut waker = message.and_then(|payload| slot.inbox.message(payload));
+        waker = waker.or(slot.inbox.finish(status));
+        drop(table);
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        true
+    }
+
+    /// A single response's outcome, once it is in; the slot goes with it.
+    pub(super) fn poll_single(&self, id: u64, cx: &mut Context<'_>) -> Poll<SingleResponse> {
+        let (key, generation) = split_id(id);
+        let mut table = self.table();
+        let Some(slot) = table
+            .slots
+            .get_mut(key)
+            .filter(|s| s.generation == generation)
+        else {
+            return Poll::Ready(Err(Status::internal("call ended without a status")));
+        };
+        match &mut slot.inbox {
+            Inbox::Single { waiter, .. } => {
+                if !waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *waiter = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+            Inbox::Done(_) => match table.slots.remove(key).inbox {
+                Inbox::Done(outcome) => Poll::Ready(outcome),
+                _ => unreachable!("matched Done above"),
+            },
+            Inbox::Stream(_) => Poll::Ready(Err(Status::internal(
+                "a streaming call has no single response",
+            ))),
         }
     }
 
     /// Ends call `id` locally with `status` and tells the server, if it was still open.
     pub(super) fn fail_call(&self, id: u64, status: Status) {
-        if let Some(slot) = self.take_call(id) {
-            if let Some(window) = &slot.window {
-                window.close();
-            }
-            slot.inbox.finish(status);
+        if self.end_call(id, None, status) {
             self.send_cancel(id);
         }
     }
 
-    /// Forgets call `id` and tells the server, if it was still open.
+    /// Forgets call `id` (its caller went away) and tells the server, if it was still open.
     pub(super) fn cancel(&self, id: u64) {
-        if let Some(slot) = self.take_call(id) {
-            if let Some(window) = &slot.window {
-                window.close();
+        let (key, generation) = split_id(id);
+        let slot = {
+            let mut table = self.table();
+            match table.slots.get(key) {
+                Some(slot) if slot.generation == generation => table.slots.remove(key),
+                _ => return,
             }
+        };
+        if let Some(window) = &slot.window {
+            window.close();
+        }
+        if slot.inbox.is_open() {
             self.send_cancel(id);
         }
     }
@@ -230,17 +308,34 @@ impl ClientConn {
     }
 
     /// Ends every open call with `status`; no new calls are accepted.
+    /// (Single responses' outcomes stay for their callers to take.)
     pub(super) fn fail_all(&self, status: Status) {
-        let slots = {
+        let mut streams = Vec::new();
+        let mut wakers = Vec::new();
+        {
             let mut table = self.table();
             table.phase = Phase::Closed(status.clone());
-            std::mem::take(&mut table.slots)
-        };
-        for (_, slot) in slots {
-            if let Some(window) = &slot.window {
-                window.close();
-            }
-            slot.inbox.finish(status.clone());
+            table.slots.retain(|_, slot| {
+                if let Some(window) = &slot.window {
+                    window.close();
+                }
+                match &mut slot.inbox {
+                    Inbox::Stream(tx) => {
+                        streams.push(tx.clone());
+                        false
+                    }
+                    inbox => {
+                        wakers.extend(inbox.finish(status.clone()));
+                        true
+                    }
+                }
+            });
+        }
+        for tx in streams {
+            let _ = tx.send(Inbound::Status(status.clone()));
+        }
+        for waker in wakers {
+            waker.wake();
         }
     }
 
@@ -353,15 +448,7 @@ impl ClientConn {
                 self.refuse_oversized(id, frame.payload.map_or(0, |p| p.len()));
             }
             FrameBody::Status(status) => {
-                if let Some(mut slot) = self.take_call(id) {
-                    if let Some(window) = &slot.window {
-                        window.close();
-                    }
-                    if let Some(payload) = frame.payload {
-                        slot.inbox.message(payload);
-                    }
-                    slot.inbox.finish(status);
-                }
+                self.end_call(id, frame.payload, status);
             }
             FrameBody::WindowUpdate(bytes) => {
                 let (key, generation) = split_id(id);
@@ -435,6 +522,9 @@ impl ClientConn {
             }
             slot.received += payload.len() as u64;
         }
-        slot.inbox.message(payload);
+        if let Some(waker) = slot.inbox.message(payload) {
+            drop(table);
+            waker.wake();
+        }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -21,7 +21,7 @@ use crate::message::{
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
-use super::call_table::{ClientConn, Inbox, SingleResponse};
+use super::call_table::{ClientConn, Inbox};
 use super::channel::{Channel, Picked};
 
 /// Makes typed calls on a [`Channel`]; what generated clients wrap.
@@ -201,18 +201,17 @@ impl Client {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let mut avoid = None;
             loop {
-                let (tx, rx) = oneshot::channel();
                 let (call, _) = self
                     .open(
                         path,
                         &metadata,
                         deadline,
                         Some(&payload),
-                        Inbox::single(tx),
+                        Inbox::single(),
                         avoid,
                     )
                     .await?;
-                match receive_one::<C>(rx).await {
+                match receive_one::<C>(&call).await {
                     Err(status)
                         if retry && avoid.is_none() && status.code() == Code::Unavailable =>
                     {
@@ -281,11 +280,10 @@ impl Client {
         let deadline = self.deadline(&options);
         let intercepted = self.intercept(path, &mut metadata, deadline)?;
         let call = async {
-            let (tx, rx) = oneshot::channel();
-            let _call = self
-                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single(tx))
+            let (call, _) = self
+                .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single())
                 .await?;
-            receive_one::<C>(rx).await
+            receive_one::<C>(&call).await
         };
         let outcome = traced(path, deadline, call).await;
         self.intercepted_end(path, intercepted, &outcome);
@@ -382,13 +380,10 @@ impl Client {
 
 /// Receives a single response: one message, then an OK status.
 pub(super) async fn receive_one<C: Codec>(
-    rx: oneshot::Receiver<SingleResponse>,
+    call: &ActiveCall,
 ) -> Result<Response<C::Decode>, Status> {
-    match rx.await {
-        Ok(Ok((bytes, trailers))) => Ok(Response::from_parts(C::decode(bytes)?, trailers)),
-        Ok(Err(status)) => Err(status),
-        Err(_) => Err(Status::internal("call ended without a status")),
-    }
+    let (bytes, trailers) = std::future::poll_fn(|cx| call.conn.poll_single(call.id, cx)).await?;
+    Ok(Response::from_parts(C::decode(bytes)?, trailers))
 }
 
 /// Runs a call under its deadline, in its tracing span.
