@@ -767,6 +767,10 @@ pub(super) async fn serve_connection(
     let _guard = ConnGuard(Arc::clone(&conn));
     let mut source: Box<dyn FrameSource> = connection.source;
     let mut draining = *shutdown.borrow();
+    // One future for the whole connection: re-created at every wait, it
+    // would join and leave the watch's list of waiters each time.
+    let shutdown_changed = shutdown.changed();
+    tokio::pin!(shutdown_changed);
     tracing::debug!(peer = %conn.peer, "connection accepted");
     let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
     let mut received = 0u64;
@@ -796,7 +800,7 @@ pub(super) async fn serve_connection(
             }
             () = backlog.flush(&*conn.sink), if !backlog.is_empty() => {}
             // A half-closed client can send no pongs: its calls run under their own deadlines.
-            tick = timer.tick(received), if timer.enabled() && !half_closed => match tick {
+            tick = timer.tick(received), if timer.due() && !half_closed => match tick {
                 Tick::Ping => {
                     // Never waits: with no room (a dead peer grants none),
                     // the silence goes on and the next tick declares it dead.
@@ -807,7 +811,7 @@ pub(super) async fn serve_connection(
                     break None;
                 }
             },
-            _ = shutdown.changed(), if !draining => {
+            _ = &mut shutdown_changed, if !draining => {
                 draining = true;
                 let bye = Status::ok("server shutting down");
                 if let Ok(false) = conn.sink.try_send(&OutFrame::control(0, OutBody::GoAway(&bye), false)) {
