@@ -704,9 +704,12 @@ async fn run_call(
     deadline: Option<Instant>,
 ) {
     let handler = AssertUnwindSafe(handler).catch_unwind();
+    // The timer and the rare ending's frame are boxed: held inline they
+    // would make every call's task larger, and tokio copies a task's
+    // future several times as it spawns, runs and retires it.
     let outcome = match deadline {
         None => Ok(handler.await),
-        Some(deadline) => tokio::time::timeout_at(deadline, handler).await,
+        Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, handler)).await,
     };
     let status = match outcome {
         Ok(Ok(())) => return, // the handler sent its own final status
@@ -716,7 +719,7 @@ async fn run_call(
             Status::deadline_exceeded(format!("deadline exceeded while {path} ran"))
         }
     };
-    conn.finish(id, &status, None).await;
+    Box::pin(conn.finish(id, &status, None)).await;
 }
 
 /// What a panic said, when it said it with a string.
