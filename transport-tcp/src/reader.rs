@@ -37,9 +37,12 @@ const PREFIX_LEN: usize = 4;
 /// shareable allocates, and while the frame lives (a handler holds its
 /// request) the next read cannot reuse the buffer and allocates a new one.
 /// For a small frame one small allocation and a short copy cost less:
-/// −1,000 instructions per 32-byte echo call, while copying 1 KiB frames
-/// cost +270 (`cargo xtask bench --instructions`), hence 512.
-pub const COPY_UP_TO: usize = 512;
+/// −1,000 instructions per 32-byte echo call. Once the runtime's own
+/// per-call work shrank, the 64 KiB buffer a shared read buffer makes the
+/// next read allocate outweighed copying 1 KiB too: copying frames up to
+/// 4 KiB made a 1 KiB echo call −420 instructions (18,598 → 18,177,
+/// `cargo xtask bench --instructions`), hence 4096.
+pub const COPY_UP_TO: usize = 4096;
 
 /// Cuts a byte stream into frames under [`FrameLimits`].
 #[derive(Debug)]
