@@ -19,10 +19,18 @@ pub(crate) const MARKERS: (&str, &str) = (
 );
 
 /// The programs counted: `call-instructions` argument, and the row's title.
-const SYSTEMS: [(&str, &str); 5] = [
+const SYSTEMS: [(&str, &str); 7] = [
     ("raw", "raw length-prefixed echo, loopback TCP (floor)"),
     ("rpc", "rdma-rpc over `tcp://`"),
+    (
+        "rpc-inline",
+        "rdma-rpc over `tcp://`, handlers run on the reader (`inline_handlers`)",
+    ),
     ("rpc-mem", "rdma-rpc over `mem://`"),
+    (
+        "rpc-intercept",
+        "rdma-rpc over `tcp://`, a no-op interceptor both sides (the hooks' cost)",
+    ),
     (
         "rpc-metrics",
         "rdma-rpc over `tcp://`, `rpc-metrics` both sides",
