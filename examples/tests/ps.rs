@@ -89,6 +89,38 @@ fn workers_pull_the_exact_sum_of_their_pushes_twice_over() {
 }
 
 #[test]
+fn lines_report_each_measured_round_after_the_warm_up() {
+    let (a, b) = (spawn_shard(0, 2), spawn_shard(1, 2));
+    let args = [
+        "--workers",
+        "2",
+        "--keys",
+        "4",
+        "--size",
+        "4096",
+        "--rounds",
+        "2",
+        "--warmup-rounds",
+        "1",
+        "--lines",
+    ];
+    let out = worker(&[&a, &b], &args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("ps ")).collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    for phase in ["push", "pull"] {
+        for round in 0..2 {
+            let start = format!(
+                "ps phase={phase} round={round} workers=2 shards=2 keys=4 size=4096 bytes=32768 "
+            );
+            assert!(lines.iter().any(|l| l.starts_with(&start)), "{stdout}");
+        }
+    }
+    assert!(lines.iter().all(|l| l.contains(" gb_per_s=")), "{stdout}");
+}
+
+#[test]
 fn shards_listed_in_the_wrong_order_fail_the_worker() {
     let (a, b) = (spawn_shard(0, 2), spawn_shard(1, 2));
     let out = worker(

@@ -19,6 +19,14 @@
 //! (payload bytes moved over wall time; each worker's gradients for a round
 //! are made before the round starts, and pulled tensors are checked after
 //! it ends) and exits 1 on any mismatch or failed call.
+//!
+//! `--warmup-rounds N` runs (and checks) N more rounds first, left out of
+//! the GB/s. `--lines` also prints one machine-readable line per measured
+//! round and phase, for `cargo xtask bench --ps`:
+//!
+//! ```text
+//! ps phase=push round=0 workers=4 shards=2 keys=8 size=1048576 bytes=33554432 secs=0.012345 gb_per_s=2.718
+//! ```
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +40,7 @@ use tokio::sync::Barrier;
 use tokio::time::Instant;
 
 const USAGE: &str = "usage: ps-worker --addr ADDR[,ADDR...] [--workers W] [--keys K] [--size BYTES]
-                 [--rounds R] [--timeout-s S]";
+                 [--rounds R] [--warmup-rounds N] [--timeout-s S] [--lines]";
 
 /// Every call's timeout, unless `--timeout-s` says otherwise.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -43,7 +51,11 @@ struct Args {
     keys: u64,
     size: usize,
     rounds: u64,
+    /// Rounds run first and checked, but not measured.
+    warmup_rounds: u64,
     timeout: Duration,
+    /// Print a machine-readable line per measured round and phase.
+    lines: bool,
 }
 
 fn usage() -> ! {
@@ -58,10 +70,16 @@ fn parse_args() -> Args {
         keys: 8,
         size: 1 << 20,
         rounds: 1,
+        warmup_rounds: 0,
         timeout: DEFAULT_TIMEOUT,
+        lines: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--lines" {
+            args.lines = true;
+            continue;
+        }
         let Some(value) = it.next() else { usage() };
         let number = |v: &str| v.parse::<u64>().unwrap_or_else(|_| usage());
         match flag.as_str() {
@@ -70,6 +88,7 @@ fn parse_args() -> Args {
             "--keys" => args.keys = number(&value),
             "--size" => args.size = number(&value) as usize,
             "--rounds" => args.rounds = number(&value),
+            "--warmup-rounds" => args.warmup_rounds = number(&value),
             "--timeout-s" => args.timeout = Duration::from_secs(number(&value)),
             _ => usage(),
         }
@@ -214,7 +233,7 @@ impl Worker {
         // element's index (see `phase`), so one period of 64 f32s.
         let mut pushed_sums = vec![[0f32; 64]; args.keys as usize];
         let mut spans = Vec::new();
-        for r in 0..args.rounds {
+        for r in 0..args.warmup_rounds + args.rounds {
             let gradients: Vec<Bytes> = (0..args.keys)
                 .map(|k| gradient(self.id, k, r, args.size))
                 .collect();
@@ -349,8 +368,9 @@ async fn run(args: Arc<Args>) -> Result<(), String> {
             Arc::clone(&baseline),
         ));
     }
-    let mut pushes = vec![Vec::new(); args.rounds as usize];
-    let mut pulls = vec![Vec::new(); args.rounds as usize];
+    let all_rounds = (args.warmup_rounds + args.rounds) as usize;
+    let mut pushes = vec![Vec::new(); all_rounds];
+    let mut pulls = vec![Vec::new(); all_rounds];
     let mut errors = Vec::new();
     while let Some(outcome) = tasks.join_next().await {
         match outcome {
@@ -376,15 +396,34 @@ async fn run(args: Arc<Args>) -> Result<(), String> {
         return Err(errors.join("\n"));
     }
     let bytes_per_round = args.workers as u64 * args.keys * args.size as u64;
-    let (push_rate, push_wall) = gigabytes_per_second(bytes_per_round, &pushes);
-    let (pull_rate, pull_wall) = gigabytes_per_second(bytes_per_round, &pulls);
+    let warmup = args.warmup_rounds as usize;
+    let (pushes, pulls) = (&pushes[warmup..], &pulls[warmup..]);
+    if args.lines {
+        for (phase, rounds) in [("push", pushes), ("pull", pulls)] {
+            for (r, spans) in rounds.iter().enumerate() {
+                let (rate, wall) =
+                    gigabytes_per_second(bytes_per_round, std::slice::from_ref(spans));
+                println!(
+                    "ps phase={phase} round={r} workers={} shards={} keys={} size={} bytes={bytes_per_round} secs={:.6} gb_per_s={rate:.4}",
+                    args.workers,
+                    args.shards.len(),
+                    args.keys,
+                    args.size,
+                    wall.as_secs_f64()
+                );
+            }
+        }
+    }
+    let (push_rate, push_wall) = gigabytes_per_second(bytes_per_round, pushes);
+    let (pull_rate, pull_wall) = gigabytes_per_second(bytes_per_round, pulls);
     println!(
-        "{} workers x {} keys of {} bytes on {} shards, {} round(s): every pulled tensor equals the sum of the gradients pushed",
+        "{} workers x {} keys of {} bytes on {} shards, {} round(s) ({} more to warm up): every pulled tensor equals the sum of the gradients pushed",
         args.workers,
         args.keys,
         args.size,
         args.shards.len(),
-        args.rounds
+        args.rounds,
+        args.warmup_rounds
     );
     println!(
         "push: {:.3} GB/s ({} MB in {push_wall:.2?})",
