@@ -1,0 +1,316 @@
+//! The raw TCP floor of the parameter-server benchmark (`cargo xtask bench
+//! --ps`): the same bytes as `ps-server` / `ps-worker`, with no RPC, no
+//! encoding and no summing.
+//!
+//! ```text
+//! ps-raw server --addr 127.0.0.1:0
+//!     prints `listening on HOST:PORT`, serves until killed
+//! ps-raw worker --addr HOST:PORT[,HOST:PORT...] [--workers W] [--keys K]
+//!     [--size BYTES] [--rounds R] [--warmup-rounds N]
+//! ```
+//!
+//! A worker process runs `--workers` workers, each with its own connection
+//! to every shard (one server per shard). Key `k` goes to shard `k %
+//! shards`, and each round is what `ps-worker` does: every worker pushes
+//! every key (a shard's keys one after the other, the shards at once), a
+//! barrier, then every worker pulls every key the same way. On the wire:
+//!
+//! - push: `b'P'`, the length (u32, little-endian), the payload; the server
+//!   reads it into a buffer of its own and answers one byte;
+//! - pull: `b'G'`, the length wanted; the server answers the length and
+//!   that many bytes (a tensor it holds), which the worker reads into a
+//!   buffer of its own.
+//!
+//! Tuning (what a tuned program would do): `TCP_NODELAY` on every socket;
+//! each push and each pull reply is one `write_all` of a buffer holding the
+//! 5- or 4-byte header and the payload together (built once, before the
+//! timed rounds, so nothing is copied in user space to send; the kernel
+//! takes it in as large writes as its buffer allows); payloads are read
+//! with `read_exact` straight into their destination, no intermediate
+//! buffer. Every process runs a default multi-threaded tokio runtime, like
+//! `ps-server` and `ps-worker`. The worker prints the lines `ps-worker
+//! --lines` prints (`ps phase=push|pull round=R ... gb_per_s=G`, the GB/s
+//! of each measured round: bytes of every worker over the wall time from
+//! the first worker's start to the last one's end).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::try_join_all;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Barrier, Mutex};
+
+const USAGE: &str = "usage: ps-raw server --addr HOST:PORT
+       ps-raw worker --addr HOST:PORT[,HOST:PORT...] [--workers W] [--keys K] [--size BYTES]
+                     [--rounds R] [--warmup-rounds N]";
+
+const PUSH: u8 = b'P';
+const PULL: u8 = b'G';
+
+fn usage() -> ExitCode {
+    eprintln!("{USAGE}");
+    ExitCode::from(2)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((mode, rest)) = args.split_first() else {
+        return usage();
+    };
+    let mut flags = std::collections::BTreeMap::new();
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let Some(value) = it.next() else {
+            return usage();
+        };
+        flags.insert(flag.as_str(), value.as_str());
+    }
+    let number = |flag: &str, default: u64| -> Result<u64, String> {
+        flags.get(flag).map_or(Ok(default), |v| {
+            v.parse()
+                .map_err(|_| format!("{flag} wants a number, not {v:?}"))
+        })
+    };
+    let outcome = match (mode.as_str(), flags.get("--addr")) {
+        ("server", Some(addr)) => serve(addr).await,
+        ("worker", Some(addr)) => {
+            let plan = (|| {
+                Ok::<_, String>(Plan {
+                    shards: addr.split(',').map(str::to_owned).collect(),
+                    workers: number("--workers", 1)? as usize,
+                    keys: number("--keys", 2)?,
+                    size: number("--size", 1 << 20)? as usize,
+                    rounds: number("--rounds", 1)?,
+                    warmup_rounds: number("--warmup-rounds", 0)?,
+                })
+            })();
+            match plan {
+                Ok(plan) if plan.workers > 0 && plan.keys > 0 && plan.rounds > 0 => {
+                    work(Arc::new(plan)).await
+                }
+                Ok(_) => return usage(),
+                Err(e) => Err(e),
+            }
+        }
+        _ => return usage(),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ps-raw: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(addr: &str) -> Result<(), String> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("binding {addr}: {e}"))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    println!("listening on {local}");
+    loop {
+        let (stream, _) = listener
+            .accept()
+            .await
+            .map_err(|e| format!("accepting: {e}"))?;
+        tokio::spawn(async move {
+            // A worker that goes away simply ends its connection.
+            let _ = shard_connection(stream).await;
+        });
+    }
+}
+
+/// One worker's connection to this shard: pushes read into `pushed`, pulls
+/// answered from `tensor` (length prefix and bytes in one buffer).
+async fn shard_connection(mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut pushed = Vec::new();
+    let mut tensor = Vec::new();
+    loop {
+        let mut head = [0u8; 5];
+        match stream.read_exact(&mut head).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_le_bytes(head[1..].try_into().expect("4 bytes")) as usize;
+        match head[0] {
+            PUSH => {
+                pushed.resize(len, 0);
+                stream.read_exact(&mut pushed).await?;
+                stream.write_all(&[1]).await?;
+            }
+            PULL => {
+                if tensor.len() != 4 + len {
+                    tensor = vec![0; 4 + len];
+                    tensor[..4].copy_from_slice(&(len as u32).to_le_bytes());
+                }
+                stream.write_all(&tensor).await?;
+            }
+            other => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("unknown operation {other}"),
+                ))
+            }
+        }
+    }
+}
+
+struct Plan {
+    shards: Vec<String>,
+    workers: usize,
+    keys: u64,
+    size: usize,
+    rounds: u64,
+    warmup_rounds: u64,
+}
+
+/// When one worker began and ended one phase of one round.
+type Span = (Instant, Instant);
+
+/// One worker's connection to one shard and its buffers: a push frame
+/// (header and payload) and a pull destination.
+struct ShardLink {
+    stream: TcpStream,
+    push_frame: Vec<u8>,
+    pulled: Vec<u8>,
+}
+
+impl ShardLink {
+    async fn push(&mut self) -> std::io::Result<()> {
+        self.stream.write_all(&self.push_frame).await?;
+        let mut ack = [0u8; 1];
+        self.stream.read_exact(&mut ack).await?;
+        Ok(())
+    }
+
+    async fn pull(&mut self, size: usize) -> std::io::Result<()> {
+        let mut request = [PULL, 0, 0, 0, 0];
+        request[1..].copy_from_slice(&(size as u32).to_le_bytes());
+        self.stream.write_all(&request).await?;
+        let len = self.stream.read_u32_le().await? as usize;
+        if len != size {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("pulled {len} bytes, asked for {size}"),
+            ));
+        }
+        self.stream.read_exact(&mut self.pulled).await?;
+        Ok(())
+    }
+}
+
+async fn work(plan: Arc<Plan>) -> Result<(), String> {
+    if plan.size > u32::MAX as usize {
+        return Err("--size must fit in 32 bits".into());
+    }
+    let mut workers = Vec::new();
+    for _ in 0..plan.workers {
+        let mut links = Vec::new();
+        for addr in &plan.shards {
+            let stream = TcpStream::connect(addr)
+                .await
+                .map_err(|e| format!("connecting to {addr}: {e}"))?;
+            stream.set_nodelay(true).map_err(|e| e.to_string())?;
+            let mut push_frame = vec![0u8; 5 + plan.size];
+            push_frame[0] = PUSH;
+            push_frame[1..5].copy_from_slice(&(plan.size as u32).to_le_bytes());
+            links.push(Mutex::new(ShardLink {
+                stream,
+                push_frame,
+                pulled: vec![0; plan.size],
+            }));
+        }
+        workers.push(links);
+    }
+    let barrier = Arc::new(Barrier::new(plan.workers));
+    let mut tasks = tokio::task::JoinSet::new();
+    for links in workers {
+        let (plan, barrier) = (Arc::clone(&plan), Arc::clone(&barrier));
+        tasks.spawn(async move { run_worker(&plan, &barrier, &links).await });
+    }
+    let all_rounds = (plan.warmup_rounds + plan.rounds) as usize;
+    let mut pushes = vec![Vec::new(); all_rounds];
+    let mut pulls = vec![Vec::new(); all_rounds];
+    while let Some(outcome) = tasks.join_next().await {
+        match outcome {
+            Ok(Ok(spans)) => {
+                for (r, (push, pull)) in spans.into_iter().enumerate() {
+                    pushes[r].push(push);
+                    pulls[r].push(pull);
+                }
+            }
+            Ok(Err(e)) => {
+                tasks.abort_all();
+                return Err(e);
+            }
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => return Err(format!("a worker panicked: {e}")),
+        }
+    }
+    let bytes = plan.workers as u64 * plan.keys * plan.size as u64;
+    let warmup = plan.warmup_rounds as usize;
+    for (phase, rounds) in [("push", &pushes[warmup..]), ("pull", &pulls[warmup..])] {
+        for (r, spans) in rounds.iter().enumerate() {
+            let start = spans.iter().map(|s| s.0).min().expect("a worker");
+            let end = spans.iter().map(|s| s.1).max().expect("a worker");
+            let wall: Duration = end - start;
+            println!(
+                "ps phase={phase} round={r} workers={} shards={} keys={} size={} bytes={bytes} secs={:.6} gb_per_s={:.4}",
+                plan.workers,
+                plan.shards.len(),
+                plan.keys,
+                plan.size,
+                wall.as_secs_f64(),
+                bytes as f64 / wall.as_secs_f64() / 1e9
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Every round of one worker: push every key (between barriers), then pull
+/// every key; each shard's keys one after the other, the shards at once.
+async fn run_worker(
+    plan: &Plan,
+    barrier: &Barrier,
+    links: &[Mutex<ShardLink>],
+) -> Result<Vec<(Span, Span)>, String> {
+    let shards = links.len() as u64;
+    let keys_of = |shard: usize| (0..plan.keys).filter(move |k| k % shards == shard as u64);
+    let mut spans = Vec::new();
+    for _ in 0..plan.warmup_rounds + plan.rounds {
+        barrier.wait().await;
+        let push_started = Instant::now();
+        let pushed = try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
+            let mut link = link.lock().await;
+            for _ in keys_of(shard) {
+                link.push().await?;
+            }
+            Ok::<_, std::io::Error>(())
+        }))
+        .await;
+        let push_ended = Instant::now();
+        // Waited on even after a failure, so the other workers do not hang.
+        barrier.wait().await;
+        pushed.map_err(|e| format!("push: {e}"))?;
+        let pull_started = Instant::now();
+        try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
+            let mut link = link.lock().await;
+            for _ in keys_of(shard) {
+                link.pull(plan.size).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        }))
+        .await
+        .map_err(|e| format!("pull: {e}"))?;
+        let pull_ended = Instant::now();
+        spans.push(((push_started, push_ended), (pull_started, pull_ended)));
+    }
+    Ok(spans)
+}
