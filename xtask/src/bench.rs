@@ -12,10 +12,13 @@
 //! without hedging, over TCP and (in the guest) RDMA. The byte-stream part
 //! ([`stream`]): tonic over `RdmaStream` against tonic over TCP and
 //! rdma-rpc, and a bulk `RdmaStream` copy against `ib_write_bw`, in one
-//! guest.
+//! guest. The parameter-server part ([`ps`]): `ps-server` / `ps-worker`
+//! pushing and pulling tensors over TCP against a raw TCP floor (`ps-raw`),
+//! and over RDMA against `ib_write_bw` / `ib_read_bw`, in one guest.
 
 mod fanout;
 mod instructions;
+mod ps;
 mod rdma;
 mod stream;
 
@@ -30,7 +33,7 @@ use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
   cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--stream]
-                    [--instructions] [--rpc-addr URL] [--out DIR]
+                    [--instructions] [--ps] [--rpc-addr URL] [--out DIR]
     --quick         short measurements (about two minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
     --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
@@ -50,14 +53,21 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
     --instructions  count instructions per unary call with callgrind:
                     rdma-rpc (tcp, mem, with rpc-metrics) vs the raw echo and
                     tonic (about 3 minutes; installs valgrind)
-                    [without --tcp, --rdma, --fanout, --stream or
-                    --instructions: the first four for a full run, the TCP
-                    part alone for --quick]
+    --ps            run the parameter-server part: ps-server/ps-worker
+                    push and pull of 64 KiB to 64 MiB tensors, 1 and 4
+                    workers, 2 shards, over TCP against a raw TCP floor
+                    (ps-raw) and over RDMA against ib_write_bw/ib_read_bw
+                    in one Soft-RoCE guest (about 6 minutes with --quick,
+                    30 without)
+                    [without --tcp, --rdma, --fanout, --stream,
+                    --instructions or --ps: the first four for a full run,
+                    the TCP part alone for --quick]
     --rpc-addr URL  where the TCP part's rdma-rpc server listens
                     [tcp://127.0.0.1:0] (the comparators stay on TCP)
     --out DIR       write benchmarks.md, benchmarks.svg (TCP),
-                    benchmarks-rdma.svg (RDMA) and benchmarks-fanout.svg
-                    (fan-out) into DIR, replacing only the
+                    benchmarks-rdma.svg (RDMA), benchmarks-fanout.svg
+                    (fan-out) and benchmarks-ps.svg (parameter server)
+                    into DIR, replacing only the
                     generated sections of the parts that ran
                     [docs/ for a full run, target/bench/ for --quick]";
 
@@ -120,6 +130,8 @@ struct Settings {
     stream: bool,
     /// Count instructions per call.
     instructions: bool,
+    /// Run the parameter-server part.
+    ps: bool,
     rpc_addr: String,
     out: PathBuf,
     client_args: Vec<String>,
@@ -149,19 +161,43 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
     // bench-node links transport-rdma (rdma-sys runs bindgen).
     setup::ensure_debian_packages(rxe::RDMA_BUILD_PACKAGES)?;
     let started = Instant::now();
-    eprintln!("xtask bench: building bench-node and fanout-bench (release)");
-    cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "benches",
-        "--bin",
-        "bench-node",
-        "--bin",
-        "fanout-bench",
-        "--bin",
-        "call-instructions",
-    ])?;
+    let others = settings.tcp
+        || settings.rdma
+        || settings.fanout
+        || settings.stream
+        || settings.instructions;
+    if others {
+        eprintln!("xtask bench: building bench-node and fanout-bench (release)");
+        cargo(&[
+            "build",
+            "--release",
+            "-p",
+            "benches",
+            "--bin",
+            "bench-node",
+            "--bin",
+            "fanout-bench",
+            "--bin",
+            "call-instructions",
+        ])?;
+    }
+    if settings.ps {
+        eprintln!("xtask bench: building ps-server, ps-worker and ps-raw (release)");
+        cargo(&[
+            "build",
+            "--release",
+            "-p",
+            "examples",
+            "--bin",
+            "ps-server",
+            "--bin",
+            "ps-worker",
+            "-p",
+            "benches",
+            "--bin",
+            "ps-raw",
+        ])?;
+    }
     let node = target_dir().join("release/bench-node");
     std::fs::create_dir_all(&settings.out)
         .map_err(|e| format!("creating {}: {e}", settings.out.display()))?;
@@ -207,6 +243,21 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         )
         .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
         eprintln!("xtask bench: wrote {}", md_path.display());
+        println!("\n{}", part.tables);
+        if let Some(failed) = part.failed {
+            return Err(failed);
+        }
+    }
+    if settings.ps {
+        let release = target_dir().join("release");
+        let part = ps::run(&release, &release.join("ps-raw"), &settings)?;
+        write_part(
+            &settings,
+            ps::SVG_NAME,
+            &part.svg,
+            &part.generated,
+            ps::MARKERS,
+        )?;
         println!("\n{}", part.tables);
         if let Some(failed) = part.failed {
             return Err(failed);
@@ -320,6 +371,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
     let (mut fanout, mut fanout_rdma) = (false, false);
     let mut stream = false;
     let mut instructions = false;
+    let mut ps = false;
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
     let mut args = given.iter();
@@ -332,13 +384,14 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             "--fanout-tcp" => fanout = true,
             "--stream" => stream = true,
             "--instructions" => instructions = true,
+            "--ps" => ps = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
             "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
     }
-    if !tcp && !rdma && !fanout && !stream && !instructions {
+    if !tcp && !rdma && !fanout && !stream && !instructions && !ps {
         tcp = true;
         rdma = !quick;
         fanout = !quick;
@@ -388,6 +441,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
         fanout_rdma,
         stream,
         instructions,
+        ps,
         rpc_addr,
         out,
         client_args,
@@ -537,6 +591,26 @@ fn size_name(size: usize) -> String {
         s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
         s => format!("{s} B"),
     }
+}
+
+/// `s` quoted for a POSIX shell (the guest scripts).
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: Option<&Vec<f64>>) -> Option<f64> {
+    let mut v = values?.clone();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    })
 }
 
 fn micros(us: f64) -> String {

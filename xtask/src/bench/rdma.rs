@@ -23,8 +23,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{
-    date, field, fields, machine, micros, plot, rate_name, ratio, size_name, target_row, Latency,
-    Panel, Series, Settings, SIZES,
+    date, field, fields, machine, micros, plot, rate_name, ratio, shell_quote, size_name,
+    target_row, Latency, Panel, Series, Settings, SIZES,
 };
 use crate::rxe::baseline::{self, Case};
 use crate::{rxe, workspace_root};
@@ -332,10 +332,6 @@ else"#
     }
     s.push_str("exit $failed\n");
     s
-}
-
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// Reads the guest's output: perftest's results (through

@@ -21,8 +21,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{
-    date, field, fields, machine, micros, rate_name, ratio, size_name, target_row, Latency,
-    Settings,
+    date, field, fields, machine, median, micros, rate_name, ratio, shell_quote, size_name,
+    target_row, Latency, Settings,
 };
 use crate::rxe::baseline::{self, Case};
 use crate::{rxe, workspace_root};
@@ -225,10 +225,6 @@ pub(super) fn run(node: &Path, settings: &Settings) -> Result<StreamPart, String
     })
 }
 
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
 /// The guest's script: [`rounds`] of, per write size, `ib_write_bw` then
 /// the bulk copy; then, per payload size, one client per system, the
 /// systems taking turns.
@@ -397,21 +393,6 @@ fn missing(results: &Results) -> Vec<String> {
         }
     }
     missing
-}
-
-/// The median of `values` (the mean of the middle two for an even count).
-fn median(values: Option<&Vec<f64>>) -> Option<f64> {
-    let mut v = values?.clone();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    Some(if v.len() % 2 == 1 {
-        v[mid]
-    } else {
-        (v[mid - 1] + v[mid]) / 2.0
-    })
 }
 
 /// `min–max` of `values` in MB/s, or `–`.
