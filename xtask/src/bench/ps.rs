@@ -847,7 +847,9 @@ fn source() -> String {
             .current_dir(workspace_root())
             .output()
             .ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            // Not trimmed at the start: `status --porcelain` lines begin
+            // with a two-column status that may be a space.
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim_end().to_string())
             .unwrap_or_default()
     };
     let head = git(&["rev-parse", "--short", "HEAD"]);
