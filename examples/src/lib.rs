@@ -27,21 +27,38 @@ pub mod tonic_rdma;
 /// With `RDMA_RPC_SECRET_FILE` set, `rdma://` servers admit only clients
 /// that prove the secret in that file, and clients connect only to servers
 /// that prove it (see `transport_rdma`'s Authentication); exits with a
-/// message when the file is not a usable secret.
+/// message when the file is not a usable secret. `RDMA_RPC_RENDEZVOUS`
+/// sets `RdmaTransport::rendezvous_threshold`: a size in bytes, or `off`
+/// (what `cargo xtask bench --ps` compares the default with).
 pub fn install_transports() {
     transport_tcp::install();
-    match std::env::var_os("RDMA_RPC_SECRET_FILE") {
-        None => transport_rdma::install(),
-        Some(path) => match transport_rdma::SharedSecret::from_file(&path) {
-            Ok(secret) => rpc_core::transport::register(std::sync::Arc::new(
-                transport_rdma::RdmaTransport::default().auth_secret(Some(secret)),
-            )),
+    let secret = std::env::var_os("RDMA_RPC_SECRET_FILE");
+    let rendezvous = std::env::var("RDMA_RPC_RENDEZVOUS").ok();
+    if secret.is_none() && rendezvous.is_none() {
+        return transport_rdma::install();
+    }
+    let mut rdma = transport_rdma::RdmaTransport::default();
+    if let Some(path) = secret {
+        match transport_rdma::SharedSecret::from_file(&path) {
+            Ok(secret) => rdma = rdma.auth_secret(Some(secret)),
             Err(e) => {
                 eprintln!("RDMA_RPC_SECRET_FILE: {e}");
                 std::process::exit(2);
             }
+        }
+    }
+    match rendezvous.as_deref() {
+        None => {}
+        Some("off") => rdma = rdma.rendezvous_threshold(None),
+        Some(bytes) => match bytes.parse() {
+            Ok(bytes) => rdma = rdma.rendezvous_threshold(Some(bytes)),
+            Err(_) => {
+                eprintln!("RDMA_RPC_RENDEZVOUS: {bytes:?} is neither a size in bytes nor off");
+                std::process::exit(2);
+            }
         },
     }
+    rpc_core::transport::register(std::sync::Arc::new(rdma));
 }
 
 /// The value of `--addr`, or `default`; exits with a usage message on bad arguments.
