@@ -110,6 +110,78 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
     }
 }
 
+/// Port of `rendezvous_across_the_wire`'s server in a two-host run.
+const WIRE_PORT: u16 = 7491;
+
+/// In a two-host run, frames around the default threshold up to 64 MiB
+/// go by rendezvous from one guest to the other: byte-exact, in the
+/// receiver's pool. (One host: `frames_around_the_threshold_...`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn rendezvous_across_the_wire() {
+    let env = TestEnv::from_env();
+    let t = transport_rdma::MEASURED_RENDEZVOUS_THRESHOLD;
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(t));
+    let mut sizes = vec![t - HEAD_LEN - 1, t - HEAD_LEN, t, 1 << 20, 16 << 20];
+    if std::env::var_os("RDV_SKIP_HUGE").is_none() {
+        sizes.push(64 << 20);
+    }
+    let limits = FrameLimits {
+        max_frame_len: (64 << 20) + 4096,
+    };
+    match env.role {
+        Role::Both => eprintln!("a two-host test: nothing to do on one host"),
+        Role::Server => {
+            let mut listener = cfg
+                .listen(&format!("{}:{WIRE_PORT}", env.ip), limits)
+                .await
+                .expect("listens");
+            let mut conn = tokio::time::timeout(
+                Duration::from_secs(120),
+                std::future::poll_fn(|cx| listener.poll_accept(cx)),
+            )
+            .await
+            .expect("the client came")
+            .expect("accepts");
+            for (i, &len) in sizes.iter().enumerate() {
+                let got = recv(&mut conn).await;
+                assert_eq!(got.len(), HEAD_LEN + len, "frame {i} length");
+                assert!(got[HEAD_LEN..] == payload(i, len)[..], "frame {i} differs");
+                assert_eq!(
+                    transport_rdma::rendezvous_pool_contains(got.as_ptr()),
+                    got.len() >= t,
+                    "frame {i} of {} bytes",
+                    got.len()
+                );
+                send(&conn.sink, i as u64, &Bytes::from_static(b"ok"))
+                    .await
+                    .expect("acknowledged");
+            }
+        }
+        Role::Client => {
+            let target = format!("{}:{WIRE_PORT}", env.peer.expect("checked"));
+            let started = std::time::Instant::now();
+            let mut conn = loop {
+                match cfg.connect(&target, limits).await {
+                    Ok(conn) => break conn,
+                    Err(e) if started.elapsed() < Duration::from_secs(90) => {
+                        eprintln!("connecting to {target}: {e}; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => panic!("connecting to {target}: {e}"),
+                }
+            };
+            for (i, &len) in sizes.iter().enumerate() {
+                send(&conn.sink, i as u64, &payload(i, len))
+                    .await
+                    .expect("sent");
+                let ack = recv(&mut conn).await;
+                assert!(ack.ends_with(b"ok"), "frame {i} acknowledged");
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn small_calls_flow_while_large_transfers_are_read_and_a_full_pool_waits() {
@@ -214,7 +286,7 @@ const HUGE: usize = 64 << 20;
 async fn child_sender() {
     let target = std::env::var("RDV_CHILD_CONNECT")
         .expect("child_sender is the child half of a test: its parent runs it");
-    let cfg = RdmaTransport::default();
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let limits = FrameLimits {
         max_frame_len: HUGE + 4096,
     };
