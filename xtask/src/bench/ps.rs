@@ -87,8 +87,10 @@ enum System {
     RpcTcp,
     /// `ps-raw` over TCP loopback.
     Raw,
-    /// `ps-server` / `ps-worker` over `rdma://`, the transport's defaults
-    /// (large frames by rendezvous: RDMA READ into the receiver's pool).
+    /// `ps-server` / `ps-worker` over `rdma://` with the rendezvous on at
+    /// its measured threshold (`RDMA_RPC_RENDEZVOUS=131072`: frames of
+    /// 128 KiB and more read by the receiver with RDMA READ into its pool;
+    /// the transport's default is off).
     RpcRdma,
     /// The same with `RDMA_RPC_RENDEZVOUS=off`: every frame through the
     /// staging region.
@@ -126,6 +128,7 @@ impl System {
     /// What goes before the programs on the guest's command line.
     fn env(self) -> &'static str {
         match self {
+            System::RpcRdma => "env RDMA_RPC_RENDEZVOUS=131072 ",
             System::RpcRdmaNoRendezvous => "env RDMA_RPC_RENDEZVOUS=off ",
             _ => "",
         }
@@ -829,11 +832,11 @@ fn report(
         guest_mib = bytes_per_worker(quick, true) >> 20,
         perftest = perftest.join(", "),
         modes = if quick {
-            "the transport's defaults (large frames by rendezvous)"
+            "`RDMA_RPC_RENDEZVOUS=131072` (large frames by rendezvous)"
         } else {
-            "the transport's defaults (frames from the rendezvous threshold up read by the \
-             receiver with RDMA READ into its pool), then `RDMA_RPC_RENDEZVOUS=off` on both \
-             sides (every frame through the staging region)"
+            "`RDMA_RPC_RENDEZVOUS=131072` on both sides (frames of 128 KiB and more read by the \
+             receiver with RDMA READ into its pool; the transport's default is off), then \
+             `RDMA_RPC_RENDEZVOUS=off` (every frame through the staging region)"
         },
     )
 }
