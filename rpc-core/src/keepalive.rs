@@ -8,7 +8,6 @@
 //! further `timeout` of silence the connection fails, ending its calls with
 //! `Unavailable`.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -44,9 +43,6 @@ pub(crate) struct KeepaliveTimer {
     /// Frames received when the timer last fired.
     seen: u64,
     pinged: bool,
-    /// The sleep was polled and is pending: it will wake the reader's task
-    /// when it fires, so the reader need not poll it before then.
-    waiting: bool,
 }
 
 impl KeepaliveTimer {
@@ -57,7 +53,6 @@ impl KeepaliveTimer {
             sleep: Box::pin(tokio::time::sleep(first)),
             seen: 0,
             pinged: false,
-            waiting: false,
         }
     }
 
@@ -66,26 +61,13 @@ impl KeepaliveTimer {
         self.config.is_some()
     }
 
-    /// Whether the reader should poll [`KeepaliveTimer::tick`] now: keepalive
-    /// is on, and the timer is not known to be pending with the reader's
-    /// waker (the reader's one task) registered. Skips a poll of the sleep
-    /// at every wait of the reader.
-    pub(crate) fn due(&self) -> bool {
-        self.enabled() && (!self.waiting || self.sleep.is_elapsed())
-    }
-
     /// Waits until the reader must act; `received` is its count of frames so far.
     pub(crate) async fn tick(&mut self, received: u64) -> Tick {
         let Some(config) = self.config else {
             return std::future::pending().await;
         };
         loop {
-            std::future::poll_fn(|cx| {
-                let polled = self.sleep.as_mut().poll(cx);
-                self.waiting = polled.is_pending();
-                polled
-            })
-            .await;
+            self.sleep.as_mut().await;
             let now = Instant::now();
             if received != self.seen {
                 self.seen = received;

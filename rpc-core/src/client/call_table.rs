@@ -356,7 +356,7 @@ impl ClientConn {
                         break reason;
                     }
                 }
-                tick = timer.tick(received), if timer.due() => match tick {
+                tick = timer.tick(received), if timer.enabled() => match tick {
                     Tick::Ping => {
                         // Never waits: with no room (a dead peer grants
                         // none), the silence goes on and the next tick

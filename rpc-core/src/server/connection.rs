@@ -803,7 +803,7 @@ pub(super) async fn serve_connection(
             }
             () = backlog.flush(&*conn.sink), if !backlog.is_empty() => {}
             // A half-closed client can send no pongs: its calls run under their own deadlines.
-            tick = timer.tick(received), if timer.due() && !half_closed => match tick {
+            tick = timer.tick(received), if timer.enabled() && !half_closed => match tick {
                 Tick::Ping => {
                     // Never waits: with no room (a dead peer grants none),
                     // the silence goes on and the next tick declares it dead.
