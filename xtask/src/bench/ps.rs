@@ -11,7 +11,7 @@
 //! - **RDMA** (one Soft-RoCE guest boot, [`guest_script`]): per size,
 //!   `ib_write_bw` and `ib_read_bw` at that message size through
 //!   [`rxe::baseline::SCRIPT`], then `ps-worker` against two `ps-server`s on
-//!   `rdma://`, per worker count and per [`Mode`].
+//!   `rdma://`, per worker count and per RDMA [`System`] (rendezvous on and off).
 //!
 //! Every run starts fresh servers (the shards keep their tensors), runs
 //! one warm-up round and then [`rounds`] measured ones; `ps-worker --lines`
