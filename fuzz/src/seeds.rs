@@ -106,6 +106,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
                 region_addr: 0x7f12_3456_0000,
                 region_rkey: 0x1234,
                 region_len: 1 << 20,
+                reads_rendezvous: false,
             },
         ),
         (
@@ -116,6 +117,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
                 region_addr: 0x1000,
                 region_rkey: 1,
                 region_len: 4096,
+                reads_rendezvous: false,
             },
         ),
         (
@@ -126,6 +128,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
                 region_addr: u64::MAX - (16 << 20),
                 region_rkey: u32::MAX,
                 region_len: 16 << 20,
+                reads_rendezvous: false,
             },
         ),
     ]

@@ -101,11 +101,14 @@
 //! size for staging. Defaults: 64 × 8 KiB and 1 MiB, so about 3 MiB per
 //! connection (a few hundred connections fit a 2 GiB machine). Only the
 //! region is remotely writable. Rendezvous memory comes on top, while
-//! transfers run: on the receiving side at most
+//! transfers run, and only on connections whose sides both set
+//! [`RdmaTransport::rendezvous_threshold`]: on the receiving side at most
 //! [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least the
-//! frame limit), on the sending side the frames of up to 8 transfers in
-//! flight (not yet counted by [`RdmaTransport::max_pinned_bytes`]). Peers announcing more than
-//! [`RdmaTransport::max_peer`] allows are refused.
+//! frame limit; a listener counts it in
+//! [`RdmaTransport::max_pinned_bytes`]), on the sending side the frames of
+//! up to 8 transfers in flight (not counted: the application chose to send
+//! them). Peers announcing more than [`RdmaTransport::max_peer`] allows
+//! are refused.
 //!
 //! A listener admits a client only within its limits, checked from the
 //! client's hello before anything is allocated for it: connections
@@ -345,7 +348,8 @@ impl RdmaTransport {
     /// Most memory a listener's connections pin (registered memory) at
     /// once, in bytes (default 4 GiB). Each connection's share is known
     /// from the client's hello before anything is allocated (this side's
-    /// ring and region, send slots and staging sized by the client's): a
+    /// ring and region, send slots and staging sized by the client's, and
+    /// the rendezvous pool when this side reads rendezvous transfers): a
     /// client whose connection does not fit is refused, and told why.
     pub fn max_pinned_bytes(mut self, bytes: u64) -> RdmaTransport {
         self.admission.max_pinned = bytes;
@@ -427,6 +431,14 @@ impl RdmaTransport {
     /// on the receiving side). At least 4 KiB. Byte streams
     /// ([`RdmaStream`]) never use it.
     ///
+    /// Set it on both sides: a side with a threshold says in its hello
+    /// that it reads rendezvous transfers, and frames go by rendezvous only
+    /// to a peer that said so; a side without one refuses announcements
+    /// (the connection fails), so no peer can make it register memory. A
+    /// listener counts each such connection's whole
+    /// [`rendezvous_pool`](Self::rendezvous_pool) in
+    /// [`max_pinned_bytes`](Self::max_pinned_bytes).
+    ///
     /// Not on by default yet: between two Soft-RoCE guests (`cargo xtask
     /// rxe --hosts 2`) READs of a 3 MiB frame stalled. The threshold is
     /// measured (`tests/rendezvous.rs`,
@@ -452,17 +464,39 @@ impl RdmaTransport {
         self
     }
 
-    pub(crate) fn rendezvous_config(&self, enabled: bool) -> proto::RendezvousConfig {
-        if !enabled {
-            return proto::RendezvousConfig::OFF;
-        }
+    /// A connection's rendezvous settings, from the hellos: frames go by
+    /// rendezvous only to a peer that reads them, and announcements are
+    /// taken (into a pool this side counted in its pinned budget) only when
+    /// this side said it reads them.
+    pub(crate) fn rendezvous_config(&self, own: &Hello, peer: &Hello) -> proto::RendezvousConfig {
         proto::RendezvousConfig {
-            threshold: self.rendezvous_threshold,
-            pool_bytes: self.rendezvous_pool,
+            threshold: self.rendezvous_threshold.filter(|_| peer.reads_rendezvous),
+            pool_bytes: if own.reads_rendezvous {
+                self.rendezvous_pool
+            } else {
+                0
+            },
             read_chunk: RENDEZVOUS_READ_CHUNK,
             read_depth: RENDEZVOUS_READ_DEPTH,
             max_outgoing: RENDEZVOUS_MAX_OUTGOING,
         }
+    }
+
+    /// These settings with no rendezvous either way (byte streams: their
+    /// writes are bounded, and nothing pins a pool for them).
+    pub(crate) fn without_rendezvous(&self) -> RdmaTransport {
+        self.clone().rendezvous_threshold(None)
+    }
+
+    /// These settings with a rendezvous pool that holds any frame `limits`
+    /// admit on its own (so a frame never waits for room that cannot come),
+    /// and is what the pinned budget counts.
+    fn pool_fitting(&self, limits: FrameLimits) -> RdmaTransport {
+        let mut cfg = self.clone();
+        cfg.rendezvous_pool = cfg
+            .rendezvous_pool
+            .max(proto::pool_charge(limits.max_frame_len));
+        cfg
     }
 
     fn hello_limits(&self) -> HelloLimits {
@@ -560,8 +594,9 @@ impl Transport for RdmaTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
-            let est = self.establish(resolve(authority)?).await?;
-            conn::start(est, limits, self)
+            let cfg = self.pool_fitting(limits);
+            let est = cfg.establish(resolve(authority)?).await?;
+            conn::start(est, limits, &cfg)
         })
     }
 
@@ -571,8 +606,9 @@ impl Transport for RdmaTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
-            let accepting =
-                self.accept_with(authority, move |est, cfg| conn::start(est, limits, cfg))?;
+            let accepting = self
+                .pool_fitting(limits)
+                .accept_with(authority, move |est, cfg| conn::start(est, limits, cfg))?;
             Ok(Box::new(accepting) as Box<dyn Listener>)
         })
     }

@@ -122,7 +122,7 @@ impl RdmaStream {
             max_frame_len: cfg.region_len.max(cfg.slot_size) as usize,
         };
         let identity = est.peer_identity();
-        let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive, false)?;
+        let (sink, source) = conn::start_halves(est, limits, cfg, cfg.stream_keepalive)?;
         Ok(RdmaStream {
             identity,
             read: RdmaReadHalf {
@@ -455,14 +455,16 @@ impl RdmaTransport {
     /// with these settings.
     pub async fn connect_stream(&self, addr: &str) -> io::Result<RdmaStream> {
         let addr = crate::resolve(authority(addr)).map_err(to_io_error)?;
-        let est = self.establish(addr).await.map_err(to_io_error)?;
-        RdmaStream::start(est, self).map_err(to_io_error)
+        let cfg = self.without_rendezvous();
+        let est = cfg.establish(addr).await.map_err(to_io_error)?;
+        RdmaStream::start(est, &cfg).map_err(to_io_error)
     }
 
     /// Listens for byte streams on `addr` with these settings (see
     /// [`RdmaListener::bind`]).
     pub async fn bind_stream(&self, addr: &str) -> io::Result<RdmaListener> {
         let accepting = self
+            .without_rendezvous()
             .accept_with(authority(addr), RdmaStream::start)
             .map_err(to_io_error)?;
         Ok(RdmaListener { accepting })

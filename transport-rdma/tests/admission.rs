@@ -222,3 +222,46 @@ async fn a_storm_of_connect_requests_stays_within_the_budget_and_the_server_goes
         echoes(stream).await;
     }
 }
+
+/// A listener that reads rendezvous transfers counts each connection's
+/// whole rendezvous pool in its budget (a peer can fill it with
+/// announcements); one that does not, counts none and takes no
+/// announcement (`bad_peer.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_listener_reading_rendezvous_counts_its_pool_in_the_budget() {
+    use rpc_core::transport::{FrameLimits, Transport};
+    let env = TestEnv::from_env();
+    let limits = FrameLimits {
+        max_frame_len: 1 << 20,
+    };
+    let pool = 64 << 20;
+    // One default connection and a pool, less a byte.
+    let budget = PINNED_PER_END + pool - 1;
+    let plain = RdmaTransport::default().max_pinned_bytes(budget);
+    let reading = plain
+        .clone()
+        .rendezvous_threshold(Some(transport_rdma::MEASURED_RENDEZVOUS_THRESHOLD))
+        .rendezvous_pool(pool);
+    for (server, fits) in [(plain, true), (reading, false)] {
+        let (mut listener, target) = env.listen_here(&server, limits).await;
+        let accepting =
+            tokio::spawn(async move { std::future::poll_fn(|cx| listener.poll_accept(cx)).await });
+        let connected = server.connect(&target, limits).await;
+        match (connected, fits) {
+            (Ok(_), true) => {
+                accepting.await.unwrap().expect("the server's end");
+            }
+            (Err(e), false) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains(&format!("budget of {budget} bytes")),
+                    "{text}"
+                );
+                accepting.abort();
+            }
+            (Ok(_), false) => panic!("admitted past the budget its pool takes"),
+            (Err(e), true) => panic!("refused though it fits without a pool: {e}"),
+        }
+    }
+}

@@ -301,6 +301,7 @@ async fn a_recorded_proof_cannot_be_replayed() {
         region_addr: 0,
         region_rkey: 1,
         region_len: 1 << 20,
+        reads_rendezvous: false,
     }
     .to_bytes();
     let blocking = move |f: Box<dyn FnOnce() -> Result<Vec<u8>, verbs::Error> + Send>| {

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::TestEnv;
 use rpc_core::frame::{OutBody, OutFrame};
-use rpc_core::transport::{FrameLimits, Transport, TransportError};
+use rpc_core::transport::{Connection, FrameLimits, Listener, Transport, TransportError};
 use transport_rdma::proto::{Announcement, Header, Hello, Kind, ANNOUNCE_PREFIX_LEN, FIRST, LAST};
 use transport_rdma::verbs::{
     Access, CmId, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain, QpCapabilities,
@@ -33,6 +33,17 @@ fn raw_client(
     private_data: Option<Vec<u8>>,
     message: Option<Vec<u8>>,
 ) -> Result<Raw, String> {
+    raw_client_posting(server, 8, private_data, message)
+}
+
+/// [`raw_client`] with `posted` of the 8 receive slots its hello announces
+/// posted.
+fn raw_client_posting(
+    server: SocketAddr,
+    posted: u32,
+    private_data: Option<Vec<u8>>,
+    message: Option<Vec<u8>>,
+) -> Result<Raw, String> {
     let channel = EventChannel::new().map_err(|e| e.to_string())?;
     let mut id = CmId::new(&channel).map_err(|e| e.to_string())?;
     id.resolve(server, STEP).map_err(|e| e.to_string())?;
@@ -43,10 +54,10 @@ fn raw_client(
     let recv = MemoryRegion::new(&pd, 8 * 128, Access::LOCAL_WRITE).map_err(|e| e.to_string())?;
     let region = MemoryRegion::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
         .map_err(|e| e.to_string())?;
-    for i in 0..8 {
+    for i in 0..posted {
         // SAFETY: `recv` is returned with the QP and outlives it in the
         // caller; nothing reads the slots.
-        unsafe { qp.post_recv(i, &recv, i as usize * 128..(i as usize + 1) * 128) }
+        unsafe { qp.post_recv(i.into(), &recv, i as usize * 128..(i as usize + 1) * 128) }
             .map_err(|e| e.to_string())?;
     }
     let hello = private_data.unwrap_or_else(|| {
@@ -57,6 +68,7 @@ fn raw_client(
             region_addr: r.addr,
             region_rkey: r.rkey,
             region_len: 4096,
+            reads_rendezvous: false,
         }
         .to_bytes()
         .to_vec()
@@ -90,6 +102,7 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
             region_addr: 0,
             region_rkey: 0,
             region_len: 4096,
+            reads_rendezvous: false,
         }
         .to_bytes();
         h[4] = 9; // protocol version 9
@@ -127,19 +140,7 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
         ),
         ("truncated header", vec![1, 0, 0]),
     ] {
-        let client = tokio::task::spawn_blocking(move || raw_client(addr, None, Some(message)));
-        let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
-            .await
-            .expect("accepts in time")
-            .expect("accepts");
-        let _raw = client.await.unwrap().expect("the raw client connects");
-        let error = tokio::time::timeout(STEP, conn.source.recv())
-            .await
-            .unwrap_or_else(|_| panic!("{what}: the connection did not fail"));
-        match error {
-            Err(e) => eprintln!("{what}: {e}"),
-            Ok(frame) => panic!("{what}: got {frame:?}"),
-        }
+        let (conn, _) = fails_the_connection(&mut listener, addr, what, message).await;
         let body = Bytes::from_static(b"x");
         let frame = OutFrame::new(1, OutBody::Message, Some(&body), false).unwrap();
         assert!(
@@ -159,6 +160,32 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
     client.sink.send(&frame).await.unwrap();
     let got: Result<Option<Bytes>, TransportError> = server.source.recv().await;
     assert!(got.unwrap().unwrap().ends_with(b"still accepting"));
+}
+
+/// Connects a raw client to `listener` that sends `message`; returns the
+/// server's end of the connection once `message` failed it, and why.
+async fn fails_the_connection(
+    listener: &mut Box<dyn Listener>,
+    addr: SocketAddr,
+    what: &str,
+    message: Vec<u8>,
+) -> (Connection, String) {
+    let client = tokio::task::spawn_blocking(move || raw_client(addr, None, Some(message)));
+    let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+        .await
+        .expect("accepts in time")
+        .expect("accepts");
+    let _raw = client.await.unwrap().expect("the raw client connects");
+    let error = tokio::time::timeout(STEP, conn.source.recv())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the connection did not fail"));
+    match error {
+        Err(e) => {
+            eprintln!("{what}: {e}");
+            (conn, e.to_string())
+        }
+        Ok(frame) => panic!("{what}: got {frame:?}"),
+    }
 }
 
 /// An `Announce` message: transfer `id`, `len` bytes at `addr`/`rkey`.
@@ -182,10 +209,29 @@ fn announce(id: u64, len: u32, addr: u64, rkey: u32) -> Vec<u8> {
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
     let env = TestEnv::from_env();
-    let cfg = RdmaTransport::default();
+    let before = transport_rdma::verbs::registered_bytes();
+
+    // A server that does not read rendezvous transfers (the default) takes
+    // no announcement: a peer cannot make it register memory.
+    let (mut listener, target) = env.listen_here(&RdmaTransport::default(), LIMITS).await;
+    let addr: SocketAddr = target.parse().unwrap();
+    let (conn, error) = fails_the_connection(
+        &mut listener,
+        addr,
+        "an announcement to a side that reads none",
+        announce(1, 100_000, 0, 0),
+    )
+    .await;
+    assert!(
+        error.contains("this side takes none"),
+        "failed for another reason: {error}"
+    );
+    drop((conn, listener));
+
+    let cfg = RdmaTransport::default()
+        .rendezvous_threshold(Some(transport_rdma::MEASURED_RENDEZVOUS_THRESHOLD));
     let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
     let addr: SocketAddr = target.parse().unwrap();
-    let before = transport_rdma::verbs::registered_bytes();
     let mut done = Header::new(Kind::Done);
     done.pos = 77;
     for (what, message) in [
@@ -202,19 +248,7 @@ async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
             done.to_bytes().to_vec(),
         ),
     ] {
-        let client = tokio::task::spawn_blocking(move || raw_client(addr, None, Some(message)));
-        let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
-            .await
-            .expect("accepts in time")
-            .expect("accepts");
-        let _raw = client.await.unwrap().expect("the raw client connects");
-        let error = tokio::time::timeout(STEP, conn.source.recv())
-            .await
-            .unwrap_or_else(|_| panic!("{what}: the connection did not fail"));
-        match error {
-            Err(e) => eprintln!("{what}: {e}"),
-            Ok(frame) => panic!("{what}: got {frame:?}"),
-        }
+        fails_the_connection(&mut listener, addr, what, message).await;
     }
     // Every destination taken for them is freed with their connections.
     let deadline = tokio::time::Instant::now() + STEP;

@@ -110,6 +110,41 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
     }
 }
 
+/// A side with the rendezvous on talks to one with it off: large frames go
+/// through the region both ways (the side that is off says in its hello
+/// that it reads none, so the other announces nothing to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_side_without_the_rendezvous_gets_large_frames_through_the_region() {
+    let env = TestEnv::from_env();
+    let limits = FrameLimits {
+        max_frame_len: (4 << 20) + 4096,
+    };
+    let off = RdmaTransport::default();
+    let on = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
+    let (mut listener, target) = env.listen_here(&off, limits).await;
+    let accepting =
+        tokio::spawn(async move { std::future::poll_fn(|cx| listener.poll_accept(cx)).await });
+    let mut client = on.connect(&target, limits).await.expect("connects");
+    let mut server = accepting.await.unwrap().expect("accepts");
+    for i in 0..2 {
+        let (sink, to) = match i {
+            0 => (Arc::clone(&client.sink), &mut server),
+            _ => (Arc::clone(&server.sink), &mut client),
+        };
+        let body = payload(i, 1 << 20);
+        let sent = body.clone();
+        let task = tokio::spawn(async move { send(&sink, 1, &sent).await });
+        let got = recv(to).await;
+        task.await.unwrap().expect("sent");
+        assert!(got[HEAD_LEN..] == body[..], "frame {i} differs");
+        assert!(
+            !transport_rdma::rendezvous_pool_contains(got.as_ptr()),
+            "frame {i} came by rendezvous to or from a side that reads none"
+        );
+    }
+}
+
 /// Port of `rendezvous_across_the_wire`'s server in a two-host run.
 const WIRE_PORT: u16 = 7491;
 
@@ -302,7 +337,8 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
     if skip_unless_both(&env) {
         return;
     }
-    let cfg = RdmaTransport::default();
+    // Reads rendezvous transfers, as the child's side does.
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let limits = FrameLimits {
         max_frame_len: HUGE + 4096,
     };

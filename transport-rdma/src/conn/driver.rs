@@ -53,7 +53,7 @@ pub(crate) fn start(
 ) -> Result<Connection, TransportError> {
     // rpc-core pings its connections itself.
     let identity = est.peer_identity().map(str::to_string);
-    let (sink, source) = start_halves(est, limits, cfg, None, true)?;
+    let (sink, source) = start_halves(est, limits, cfg, None)?;
     let peer = sink.shared.peer.clone();
     Ok(Connection {
         sink: Arc::new(sink),
@@ -74,14 +74,13 @@ pub(crate) fn start_halves(
     limits: FrameLimits,
     cfg: &RdmaTransport,
     keepalive: Option<Duration>,
-    rendezvous: bool,
 ) -> Result<(RdmaSink, RdmaSource), TransportError> {
     let placement = est
         .placement()
         .map_err(|e| io_error("find the connection's device objects", e))?;
     // From here on the QP and the memory live in `Shared` (QP first), so
     // an error below drops them in that order.
-    let (shared, id, cc) = est.into_shared(limits, cfg, rendezvous);
+    let (shared, id, cc) = est.into_shared(limits, cfg);
     let cq_fd = register(CqFd(cc), "completion channel")?;
     let cm_fd = register(CmFd(id), "connection manager channel")?;
     let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;

@@ -93,6 +93,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         region_addr: remote.addr,
         region_rkey: remote.rkey,
         region_len: cfg.region_len,
+        reads_rendezvous: cfg.rendezvous_threshold.is_some(),
     };
     // Receives are posted only once the QP and the ring are in one `Wired`:
     // if a post fails, dropping `half` destroys the QP before the ring.
@@ -119,13 +120,20 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     Ok(half)
 }
 
-/// Bytes a connection pins with our settings and the peer's geometry:
+/// Bytes a connection may pin with our settings and the peer's geometry:
 /// our ring and region, send slots for the peer's ring (plus control and
-/// chunk slots), staging as large as the peer's region.
+/// chunk slots), staging as large as the peer's region, and our rendezvous
+/// pool when we read rendezvous transfers (registered as transfers arrive,
+/// so a peer can fill it).
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
     let send = u64::from(peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
-    own + send + u64::from(peer.region_len)
+    let pool = if cfg.rendezvous_threshold.is_some() {
+        cfg.rendezvous_pool
+    } else {
+        0
+    };
+    own + send + u64::from(peer.region_len) + pool
 }
 
 fn finish(
@@ -243,6 +251,7 @@ fn fetch_challenge(
         region_addr: 0,
         region_rkey: 0,
         region_len: cfg.region_len,
+        reads_rendezvous: cfg.rendezvous_threshold.is_some(),
     };
     match id.connect(&hello.to_bytes(), cfg.connect_timeout) {
         Err(crate::verbs::Error::Rejected {
@@ -343,7 +352,6 @@ impl Established {
         self,
         limits: FrameLimits,
         cfg: &RdmaTransport,
-        rendezvous: bool,
     ) -> (Arc<Shared>, CmId, CompletionChannel) {
         let Established {
             wired: Wired { qp, recv, region },
@@ -374,7 +382,7 @@ impl Established {
                 max_frame_len: limits.max_frame_len,
                 max_skip_len: limits.max_skip_len(),
                 prefix_len: OVERSIZED_PREFIX_LEN,
-                rendezvous: cfg.rendezvous_config(rendezvous),
+                rendezvous: cfg.rendezvous_config(&own, &peer),
             }),
             send_waiters: Vec::new(),
             recv_waker: None,

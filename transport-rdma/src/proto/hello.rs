@@ -8,13 +8,17 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
 pub const VERSION: u16 = 2;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
+/// Set in a hello's flags when its side reads rendezvous transfers
+/// ([`Hello::reads_rendezvous`]).
+pub const FLAG_READS_RENDEZVOUS: u16 = 2;
 
 /// One side's receive geometry: how many receive slots of what size it
 /// keeps posted (the peer's credits), and the region the peer may RDMA
 /// WRITE into.
 ///
-/// Layout (little-endian): `magic: u32, version: u16, flags: u16 (see
-/// [`auth::FLAG_PROOF`](super::auth::FLAG_PROOF); 0 otherwise),
+/// Layout (little-endian): `magic: u32, version: u16, flags: u16
+/// ([`FLAG_READS_RENDEZVOUS`], and [`auth::FLAG_PROOF`](super::auth::FLAG_PROOF)
+/// when a proof follows),
 /// ring_slots: u32, slot_size: u32, region_addr: u64, region_rkey: u32,
 /// region_len: u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +35,11 @@ pub struct Hello {
     pub region_rkey: u32,
     /// Its length in bytes.
     pub region_len: u32,
+    /// This side takes rendezvous transfers: it RDMA READs announced frames
+    /// into its pool. A side sends by rendezvous only to a peer that does,
+    /// and refuses announcements when it does not (so a peer cannot make
+    /// it register memory it did not budget for).
+    pub reads_rendezvous: bool,
 }
 
 /// Bounds a [`Hello`] must respect to be accepted.
@@ -50,6 +59,12 @@ impl Hello {
         let mut b = [0; HELLO_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        let flags = if self.reads_rendezvous {
+            FLAG_READS_RENDEZVOUS
+        } else {
+            0
+        };
+        b[6..8].copy_from_slice(&flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.ring_slots.to_le_bytes());
         b[12..16].copy_from_slice(&self.slot_size.to_le_bytes());
         b[16..24].copy_from_slice(&self.region_addr.to_le_bytes());
@@ -86,6 +101,7 @@ impl Hello {
             region_addr: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
             region_rkey: u32_at(24),
             region_len: u32_at(28),
+            reads_rendezvous: u16::from_le_bytes([b[6], b[7]]) & FLAG_READS_RENDEZVOUS != 0,
         };
         if !(8..=limits.max_ring_slots).contains(&hello.ring_slots) {
             return Err(ProtocolError::new(format!(
@@ -135,14 +151,32 @@ mod tests {
             region_addr: 0x7f00_0000_0000,
             region_rkey: 0x1234,
             region_len: 1 << 20,
+            reads_rendezvous: false,
         }
     }
 
     #[test]
     fn round_trip_with_padding() {
-        let mut b = hello().to_bytes().to_vec();
-        b.extend_from_slice(&[0; 24]);
-        assert_eq!(Hello::decode(&b, &LIMITS), Ok(hello()));
+        for reads_rendezvous in [false, true] {
+            let hello = Hello {
+                reads_rendezvous,
+                ..hello()
+            };
+            let mut b = hello.to_bytes().to_vec();
+            b.extend_from_slice(&[0; 24]);
+            assert_eq!(Hello::decode(&b, &LIMITS), Ok(hello));
+        }
+    }
+
+    #[test]
+    fn the_rendezvous_flag_survives_the_proof_flag() {
+        let mut b = Hello {
+            reads_rendezvous: true,
+            ..hello()
+        }
+        .to_bytes();
+        super::super::auth::set_flag(&mut b, super::super::auth::FLAG_PROOF);
+        assert!(Hello::decode(&b, &LIMITS).unwrap().reads_rendezvous);
     }
 
     #[test]

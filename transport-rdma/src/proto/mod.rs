@@ -56,7 +56,7 @@ pub use connection::{
 };
 pub use credit::{CreditWindow, Delivery, RecvRing};
 pub use header::{Header, Kind, FIRST, HEADER_LEN, LAST};
-pub use hello::{Hello, HelloLimits, HELLO_LEN, MAGIC, VERSION};
+pub use hello::{Hello, HelloLimits, FLAG_READS_RENDEZVOUS, HELLO_LEN, MAGIC, VERSION};
 pub use reassembly::{Assembled, Reassembly};
 pub use refusal::{Refused, REFUSED_LEN};
 pub use region::{max_chunk, RegionReader, RegionWriter};

@@ -165,6 +165,7 @@ mod tests {
             region_addr: 0,
             region_rkey: 0,
             region_len: 4096,
+            reads_rendezvous: false,
         };
         assert_eq!(Refused::decode(&hello.to_bytes()), None);
         let mut unknown = Refused::BadHello.to_bytes();
