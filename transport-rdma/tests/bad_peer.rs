@@ -261,3 +261,35 @@ async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A peer that announces receive slots but posts none: the server's first
+/// SEND meets "receiver not ready". Credits rule that out between correct
+/// peers, so the server does not retry (forever, as RC allows): its
+/// connection fails at once, naming the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_peer_with_no_receive_posted_fails_the_connection_naming_the_rnr() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default();
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
+    let addr: SocketAddr = target.parse().unwrap();
+    let client = tokio::task::spawn_blocking(move || raw_client_posting(addr, 0, None, None));
+    let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+        .await
+        .expect("accepts in time")
+        .expect("accepts");
+    let _raw = client.await.unwrap().expect("the raw client connects");
+    let body = Bytes::from_static(b"into no receive");
+    let frame = OutFrame::new(1, OutBody::Message, Some(&body), false).unwrap();
+    let _ = conn.sink.send(&frame).await;
+    let started = std::time::Instant::now();
+    let error = tokio::time::timeout(STEP, conn.source.recv())
+        .await
+        .expect("the connection fails instead of retrying")
+        .expect_err("nothing can arrive");
+    eprintln!("failed after {:?}: {error}", started.elapsed());
+    assert!(
+        error.to_string().contains("RNR retry counter exceeded"),
+        "failed for another reason: {error}"
+    );
+}

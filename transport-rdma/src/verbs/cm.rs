@@ -631,7 +631,11 @@ fn conn_param(private_data: &[u8]) -> Result<ffi::rdma_conn_param> {
         initiator_depth: super::READ_DEPTH as u8,
         flow_control: 0,
         retry_count: 7,
-        rnr_retry_count: 7,
+        // Finite: the transport's credits mean a peer never sends into a
+        // ring with no receive posted, so a receiver-not-ready NAK is a bug
+        // (ours or a peer's) and fails the connection at once, naming it,
+        // instead of retrying forever (7 = infinite) and hanging.
+        rnr_retry_count: super::RNR_RETRY,
         srq: 0,
         qp_num: 0,
     })

@@ -135,8 +135,14 @@ impl WorkCompletion {
         self.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
     }
 
-    /// The status, as `ibv_wc_status_str` names it.
+    /// The status, as `ibv_wc_status_str` names it, with what it means
+    /// where the name does not say (an RNR).
     pub fn status_name(&self) -> String {
+        if self.status == ffi::ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR {
+            return "RNR retry counter exceeded: the peer had no receive posted for a SEND \
+                    (its credits allowed none: a peer that breaks the credit protocol)"
+                .to_string();
+        }
         // SAFETY: ibv_wc_status_str returns a static NUL-terminated string
         // for any value.
         unsafe { CStr::from_ptr(ffi::ibv_wc_status_str(self.status)) }

@@ -68,6 +68,12 @@ use std::io;
 /// `responder_resources`; rxe allows 128, most NICs 16).
 pub const READ_DEPTH: u32 = 16;
 
+/// Times a queue pair resends a SEND the peer answered "receiver not ready"
+/// (the connection manager's `rnr_retry_count`): none. Credits keep a
+/// receive posted for every SEND, so an RNR is a broken peer or a bug; it
+/// fails the connection at once instead of retrying (7 retries forever).
+pub const RNR_RETRY: u8 = 0;
+
 /// The `io::Error` for a C call that reported failure through `errno`.
 fn last_os_error() -> io::Error {
     io::Error::last_os_error()
