@@ -127,8 +127,15 @@ impl fmt::Debug for Connection {
 
 /// The sending half of a connection.
 ///
-/// Frames from one `poll_send` caller arrive in the order sent. Frames from
-/// different callers interleave whole, never byte-wise.
+/// Ordering: frames of one call (the same call id, bytes 4..12 of the
+/// frame) arrive in the order sent, and so do frames of one `poll_send`
+/// caller with no call id of their own (id 0: pings, `GoAway`); frames
+/// interleave whole, never byte-wise. A transport may deliver a frame
+/// before an earlier frame of *another* call, so that small calls do not
+/// wait behind a large transfer (the RDMA transport's rendezvous does;
+/// tcp:// and mem:// keep every frame in order). rpc-core relies on
+/// nothing more: a call's frames, and a connection's closing after
+/// everything sent, keep their order.
 pub trait FrameSink: Send + Sync + 'static {
     /// Sends `frame`, or returns `Pending` (and wakes `cx` later) while the
     /// transport has no room: its buffer is full, or the peer has granted no
