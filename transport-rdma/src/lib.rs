@@ -11,8 +11,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A server listens the same way, on an IPv4 address of the RDMA device's
-//! network interface: `ServerBuilder::new(...).serve("rdma://10.77.0.1:50051")`.
+//! A server listens the same way, on an address of the RDMA device's
+//! network interface: `ServerBuilder::new(...).serve("rdma://10.77.0.1:50051")`
+//! (IPv6: `rdma://[fd77::1]:50051`).
 //! To change the defaults, register a configured transport instead; for
 //! example, for MB-sized tensors and the lowest small-call latency (a
 //! larger region moves more of a big frame at once; busy polling spins a
@@ -513,13 +514,18 @@ fn resolve(authority: &str) -> Result<SocketAddr, TransportError> {
         address: format!("rdma://{authority}"),
         reason: reason.to_string(),
     };
-    let addrs = authority
+    let addrs: Vec<SocketAddr> = authority
         .to_socket_addrs()
-        .map_err(|e| invalid(&format!("expected IPv4:PORT: {e}")))?;
+        .map_err(|e| invalid(&format!("expected IP:PORT or [IPv6]:PORT: {e}")))?
+        .collect();
+    // A name with both kinds of address: IPv4 first, as before IPv6 was
+    // supported.
     addrs
-        .into_iter()
-        .find(SocketAddr::is_ipv4)
-        .ok_or_else(|| invalid("no IPv4 address (only IPv4 is supported)"))
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(|| invalid("the name has no address"))
 }
 
 impl RdmaTransport {
@@ -552,7 +558,7 @@ impl RdmaTransport {
         }
         id.bind(addr).map_err(e)?;
         id.listen(128).map_err(e)?;
-        let local = format!("rdma://{}:{}", addr.ip(), id.local_port());
+        let local = format!("rdma://{}", SocketAddr::new(addr.ip(), id.local_port()));
         // SAFETY: `ListenFd` owns the listening id, which owns its event
         // channel: the descriptor it returns is always the same and stays
         // open until the AsyncFd (which owns the `ListenFd`) is dropped.

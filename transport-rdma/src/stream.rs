@@ -387,8 +387,9 @@ pub struct RdmaListener {
 }
 
 impl RdmaListener {
-    /// Listens on `addr` (`rdma://IP:PORT` or `IP:PORT`, an IPv4 address of
-    /// the RDMA device's interface; port 0 picks one) with the default
+    /// Listens on `addr` (`rdma://IP:PORT` or `IP:PORT`, `[IPv6]:PORT` for
+    /// IPv6; an address of the RDMA device's interface; port 0 picks one)
+    /// with the default
     /// [`RdmaTransport`] settings. Needs a tokio runtime.
     pub async fn bind(addr: &str) -> io::Result<RdmaListener> {
         RdmaTransport::default().bind_stream(addr).await

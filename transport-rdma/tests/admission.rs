@@ -265,3 +265,41 @@ async fn a_listener_reading_rendezvous_counts_its_pool_in_the_budget() {
         }
     }
 }
+
+/// Over IPv6: a listener on `[addr]:0` (the guest gives the device's
+/// netdev `fd77::N` next to `10.77.0.N`), a stream that carries data, and
+/// both ends naming each other by their IPv6 addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn connections_over_ipv6() {
+    let _env = TestEnv::from_env();
+    let ip6: std::net::Ipv6Addr = std::env::var("RDMA_TEST_IP6")
+        .expect(
+            "RDMA_TEST_IP6 is not set: the device's netdev needs an IPv6 address \
+             (cargo xtask rxe adds fd77::N; see xtask/src/rxe/job.sh)",
+        )
+        .parse()
+        .expect("RDMA_TEST_IP6 is an IPv6 address");
+    let mut listener = RdmaListener::bind(&format!("rdma://[{ip6}]:0"))
+        .await
+        .expect("listens on IPv6");
+    let addr = listener.local_addr().to_string();
+    assert!(addr.starts_with(&format!("rdma://[{ip6}]:")), "{addr}");
+    let serving = tokio::spawn(async move {
+        let (mut stream, peer) = listener.accept().await.expect("accepts");
+        let (mut r, mut w) = stream.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+        peer
+    });
+    let mut stream = RdmaStream::connect(&addr)
+        .await
+        .expect("connects over IPv6");
+    assert_eq!(stream.peer_addr(), addr);
+    echoes(&mut stream).await;
+    stream.shutdown().await.unwrap();
+    let peer = serving.await.unwrap();
+    assert!(
+        peer.to_string().contains(&format!("[{ip6}]:")),
+        "the server sees {peer}"
+    );
+}

@@ -1,7 +1,7 @@
 //! The connection manager (librdmacm): event channel and `cm_id`.
 
 use std::ffi::CStr;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -350,21 +350,33 @@ impl CmId {
         Ok(())
     }
 
-    /// The peer's address, when connected (IPv4 only; `None` otherwise).
+    /// The peer's address, when connected (`None` before, or for an
+    /// address family other than IPv4 and IPv6).
     pub fn peer_addr(&self) -> Option<SocketAddr> {
         // SAFETY: the id is live; its route's destination address is a
-        // sockaddr storage at least as large as sockaddr_in, read only when
-        // its family says it is one.
+        // `sockaddr_storage` (large enough for any family), read as the
+        // family it says it is.
         unsafe {
             let sa: *const libc::sockaddr = ffi::rdma_get_peer_addr(self.inner.raw.as_ref());
-            if i32::from((*sa).sa_family) != libc::AF_INET {
-                return None;
+            match i32::from((*sa).sa_family) {
+                libc::AF_INET => {
+                    let sin = &*sa.cast::<libc::sockaddr_in>();
+                    Some(SocketAddr::V4(SocketAddrV4::new(
+                        u32::from_be(sin.sin_addr.s_addr).into(),
+                        u16::from_be(sin.sin_port),
+                    )))
+                }
+                libc::AF_INET6 => {
+                    let sin6 = &*sa.cast::<libc::sockaddr_in6>();
+                    Some(SocketAddr::V6(SocketAddrV6::new(
+                        sin6.sin6_addr.s6_addr.into(),
+                        u16::from_be(sin6.sin6_port),
+                        u32::from_be(sin6.sin6_flowinfo),
+                        sin6.sin6_scope_id,
+                    )))
+                }
+                _ => None,
             }
-            let sin = &*sa.cast::<libc::sockaddr_in>();
-            Some(SocketAddr::V4(SocketAddrV4::new(
-                u32::from_be(sin.sin_addr.s_addr).into(),
-                u16::from_be(sin.sin_port),
-            )))
         }
     }
 
@@ -430,10 +442,10 @@ impl CmId {
 
     /// Binds to a local address (`rdma_bind_addr`); port 0 picks one.
     pub fn bind(&mut self, addr: SocketAddr) -> Result<()> {
-        let mut sin = sockaddr_in(addr)?;
-        // SAFETY: the id is live; `sin` is a valid sockaddr_in, which
-        // librdmacm reads (and copies) during the call.
-        let ret = unsafe { ffi::rdma_bind_addr(self.as_ptr(), ptr::addr_of_mut!(sin).cast()) };
+        let mut sa = sockaddr(addr);
+        // SAFETY: the id is live; `sa` holds a valid sockaddr of its
+        // family, which librdmacm reads (and copies) during the call.
+        let ret = unsafe { ffi::rdma_bind_addr(self.as_ptr(), ptr::addr_of_mut!(sa).cast()) };
         if ret == 0 {
             Ok(())
         } else {
@@ -480,20 +492,18 @@ impl CmId {
         addr: SocketAddr,
         timeout: Duration,
     ) -> Result<()> {
-        let mut src = source
-            .map(|ip| sockaddr_in(SocketAddr::new(ip, 0)))
-            .transpose()?;
+        let mut src = source.map(|ip| sockaddr(SocketAddr::new(ip, 0)));
         let src_ptr: *mut libc::sockaddr = match &mut src {
             Some(src) => ptr::addr_of_mut!(*src).cast(),
             None => ptr::null_mut(),
         };
-        let mut sin = sockaddr_in(addr)?;
+        let mut sin = sockaddr(addr);
         let ms = i32::try_from(timeout.as_millis())
             .unwrap_or(i32::MAX)
             .max(1);
-        // SAFETY: the id is live; `sin` (and `src`, when given) is a valid
-        // sockaddr_in read during the call; a NULL source lets librdmacm
-        // pick one.
+        // SAFETY: the id is live; `sin` (and `src`, when given) holds a
+        // valid sockaddr of its family, read during the call; a NULL source
+        // lets librdmacm pick one.
         let ret = unsafe {
             ffi::rdma_resolve_addr(self.as_ptr(), src_ptr, ptr::addr_of_mut!(sin).cast(), ms)
         };
@@ -641,22 +651,41 @@ fn conn_param(private_data: &[u8]) -> Result<ffi::rdma_conn_param> {
     })
 }
 
-fn sockaddr_in(addr: SocketAddr) -> Result<libc::sockaddr_in> {
-    let SocketAddr::V4(v4): SocketAddr = addr else {
-        return Err(Error::NotIpv4(addr));
-    };
-    Ok(sockaddr_in_v4(v4))
-}
-
-fn sockaddr_in_v4(addr: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: addr.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*addr.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
+/// `addr` as the C socket address of its family (`sockaddr_in` or
+/// `sockaddr_in6`), in storage large enough for either.
+fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage (plain integers).
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let at = ptr::addr_of_mut!(storage);
+    match addr {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*v4.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than, and aligned for,
+            // every sockaddr type.
+            unsafe { at.cast::<libc::sockaddr_in>().write(sin) };
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo().to_be(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { at.cast::<libc::sockaddr_in6>().write(sin6) };
+        }
     }
+    storage
 }
 
 fn event_str(kind: event::Type) -> String {

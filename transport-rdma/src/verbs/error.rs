@@ -154,9 +154,6 @@ pub enum Error {
     /// The `cm_id` is not bound to a device yet (bind or resolve first).
     #[error("the cm_id has no device yet: bind it or resolve an address first")]
     NoDevice,
-    /// Only IPv4 addresses are supported so far.
-    #[error("{0}: only IPv4 addresses are supported")]
-    NotIpv4(std::net::SocketAddr),
     /// A range lies outside its memory region.
     #[error("range {start}..{end} is outside a region of {len} bytes")]
     OutOfBounds {

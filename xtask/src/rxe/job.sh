@@ -17,6 +17,14 @@ if [ "$RXE_HOSTS" = 1 ]; then
 fi
 ip link set "$RDMA_TEST_NETDEV" mtu "$RXE_MTU" || setup_failed "ip link set $RDMA_TEST_NETDEV mtu $RXE_MTU"
 ip addr add "$RDMA_TEST_IP/24" dev "$RDMA_TEST_NETDEV" || setup_failed "ip addr add $RDMA_TEST_IP/24 dev $RDMA_TEST_NETDEV"
+# The same host over IPv6 (fd77::1 for 10.77.0.1), for the IPv6 tests,
+# without duplicate-address detection so that it is usable at once. Not
+# fatal: a test that needs it fails, saying it is missing.
+if ip -6 addr add "fd77::${RDMA_TEST_IP##*.}/64" dev "$RDMA_TEST_NETDEV" nodad; then
+    export RDMA_TEST_IP6="fd77::${RDMA_TEST_IP##*.}"
+else
+    echo "rxe-guest: no IPv6 address on $RDMA_TEST_NETDEV: IPv6 tests will fail" >&2
+fi
 ip link set "$RDMA_TEST_NETDEV" up || setup_failed "ip link set $RDMA_TEST_NETDEV up"
 rdma link add "$RDMA_TEST_DEVICE" type rxe netdev "$RDMA_TEST_NETDEV" \
     || setup_failed "rdma link add $RDMA_TEST_DEVICE type rxe netdev $RDMA_TEST_NETDEV"
