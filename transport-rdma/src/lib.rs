@@ -42,7 +42,10 @@
 //!   `rdma_listen`/`rdma_accept`. The peers exchange a 32-byte hello in the
 //!   connection manager's private data (magic, protocol version, ring slots
 //!   and slot size, region address, rkey and length), each side validating
-//!   the other's against its limits ([`proto::Hello`]).
+//!   the other's against its limits ([`proto::Hello`]). Set-ups are
+//!   async: the connection manager's events are awaited on the tokio
+//!   runtime (each set-up's event channel registered with it), so no
+//!   thread waits for a peer, however many set-ups are under way.
 //! - **Small frames** (up to [`RdmaTransport::inline_threshold`], at most a
 //!   slot minus the 32-byte header) travel by SEND into a ring of receive
 //!   slots the peer keeps posted. A sender needs a credit per message;
@@ -340,7 +343,10 @@ impl RdmaTransport {
 
     /// Most connection set-ups a listener runs at once (default 64): a
     /// storm of connect requests is refused (told to try again) rather
-    /// than queued, each set-up holding a blocking thread meanwhile.
+    /// than queued. A set-up is a task on the runtime, holding no thread
+    /// while it waits for the client (at most
+    /// [`connect_timeout`](Self::connect_timeout) a step), but it holds
+    /// the connection's memory meanwhile: this bounds that.
     pub fn max_handshakes(mut self, handshakes: usize) -> RdmaTransport {
         self.admission.max_handshakes = handshakes.max(1);
         self
@@ -400,7 +406,8 @@ impl RdmaTransport {
         self
     }
 
-    /// Limit of each connection set-up step (default 10 s).
+    /// Limit of each connection set-up step (default 10 s): address and
+    /// route resolution, the server's answer, the client's confirmation.
     pub fn connect_timeout(mut self, timeout: Duration) -> RdmaTransport {
         self.connect_timeout = timeout;
         self
@@ -529,13 +536,12 @@ fn resolve(authority: &str) -> Result<SocketAddr, TransportError> {
 }
 
 impl RdmaTransport {
-    /// Resolves, connects and exchanges hellos (a blocking thread does the
-    /// connection manager's steps).
+    /// Resolves, connects and exchanges hellos, awaiting the connection
+    /// manager's steps on the runtime (no thread waits for them); each
+    /// step within [`connect_timeout`](Self::connect_timeout). Dropping the
+    /// future frees what it made.
     async fn establish(&self, addr: SocketAddr) -> Result<conn::Established, TransportError> {
-        let cfg = self.clone();
-        tokio::task::spawn_blocking(move || conn::connect_blocking(addr, &cfg))
-            .await
-            .map_err(|e| TransportError::io("connect task", std::io::Error::other(e)))?
+        conn::connect(addr, self).await
     }
 
     /// Listens on `authority`; every connection set up there is turned
@@ -683,20 +689,13 @@ async fn accept_loop<T: Send + 'static>(
             let cfg = cfg.clone();
             let tx = tx.clone();
             let start = Arc::clone(&start);
+            // The set-up runs as a task of its own (no thread waits for
+            // the client); its `handshake` is given back when it ends, and
+            // its `lease` with its memory if it fails.
             tokio::spawn(async move {
-                let accepted = {
-                    let cfg = cfg.clone();
-                    tokio::task::spawn_blocking(move || {
-                        conn::accept_blocking(id, peer, proven, lease, &cfg)
-                    })
-                    .await
-                };
+                let accepted = conn::accept(id, peer, proven, lease, &cfg).await;
                 drop(handshake);
-                let connection = match accepted {
-                    Ok(Ok(est)) => start(est, &cfg),
-                    Ok(Err(e)) => Err(e),
-                    Err(e) => Err(TransportError::io("accept task", std::io::Error::other(e))),
-                };
+                let connection = accepted.and_then(|est| start(est, &cfg));
                 match connection {
                     Ok(connection) => {
                         let _ = tx.send(Ok(connection)).await;

@@ -2,18 +2,24 @@
 //! control (past its connection limit, over its pinned-memory budget, or
 //! given a hello beyond its limits, a client is refused before anything is
 //! allocated for it and told why; the listener keeps serving the others,
-//! and a closed connection gives its share back), and the deployment
-//! options (ACK timeout, type of service, source address).
+//! and a closed connection gives its share back), set-ups that hold no
+//! thread while a client stalls, and the deployment options (ACK timeout,
+//! type of service, source address).
 //!
 //! In a two-host run each guest runs these over its own device.
 
 mod common;
 
 use std::io::ErrorKind;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{TestEnv, PINNED_PER_END};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport_rdma::proto::Hello;
+use transport_rdma::verbs::{
+    CmId, CompletionQueue, EventChannel, ProtectionDomain, QpCapabilities, QueuePair,
+};
 use transport_rdma::{RdmaListener, RdmaStream, RdmaTransport};
 
 /// Accepts streams and echoes them, until dropped.
@@ -302,4 +308,194 @@ async fn connections_over_ipv6() {
         peer.to_string().contains(&format!("[{ip6}]:")),
         "the server sees {peer}"
     );
+}
+
+/// A client that stalls its set-up: it sends a connect request with a
+/// valid hello and never reads its channel's events. librdmacm confirms
+/// the server's answer only when the client reads it (it moves the queue
+/// pair and sends the confirmation then), so the server's set-up waits for
+/// a confirmation that never comes. Blocking (run it on a thread of its
+/// own); what it returns keeps the client alive. (Each has a queue pair of
+/// its own: connect requests from one host naming the same queue pair
+/// number would be rejected as stale connections.)
+fn stalled_client(server: SocketAddr) -> Stalled {
+    const STEP: Duration = Duration::from_secs(20);
+    let channel = EventChannel::new().expect("event channel");
+    let mut id = CmId::new(&channel).expect("cm id");
+    id.resolve(server, STEP).expect("resolves the server");
+    let pd = ProtectionDomain::new(&id).expect("protection domain");
+    let cq = CompletionQueue::new(&id, 16).expect("completion queue");
+    let qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default()).expect("queue pair");
+    let hello = Hello {
+        ring_slots: 64,
+        slot_size: 8192,
+        region_addr: 0,
+        region_rkey: 0,
+        region_len: 1 << 20,
+        reads_rendezvous: false,
+    };
+    id.start_connect(&hello.to_bytes()).expect("rdma_connect");
+    (qp, cq, pd, id)
+}
+
+/// A stalled client's objects, the queue pair first (dropped first).
+type Stalled = (QueuePair, CompletionQueue, ProtectionDomain, CmId);
+
+/// A stalled client's event channel, to wait until it is readable (the
+/// server answered) without reading it.
+struct ChannelFd(std::sync::Arc<EventChannel>);
+
+impl std::os::fd::AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.fd()
+    }
+}
+
+/// What a burst of concurrent connects gave: the connected streams, and
+/// how many were refused because the server's set-ups were all taken.
+async fn burst(addr: &str, clients: usize) -> (Vec<RdmaStream>, usize) {
+    let attempts = (0..clients).map(|_| {
+        let addr = addr.to_string();
+        tokio::spawn(async move { RdmaStream::connect(&addr).await })
+    });
+    let mut connected = Vec::new();
+    let mut refused = 0;
+    for result in futures::future::join_all(attempts).await {
+        match result.expect("connect task") {
+            Ok(stream) => connected.push(stream),
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                assert!(
+                    e.to_string().contains("setting up its maximum"),
+                    "refused for another reason: {e}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    (connected, refused)
+}
+
+/// The point of async set-ups: none holds a thread while it waits for the
+/// peer. The runtime's one blocking thread is taken for the whole test,
+/// and clients that never confirm the server's answer sit in their
+/// set-ups for the server's (long) time limit; meanwhile a burst of good
+/// clients (each set-up waiting for the connection manager, client and
+/// server side) is served or refused for the set-up limit, promptly, and
+/// the refused ones get in when they try again. Once the stalled set-ups
+/// time out, they have freed their memory and given their set-up places
+/// back.
+#[test]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
+    const STALLED: usize = 3;
+    const ROOM: usize = 3;
+    const GOOD: usize = 12;
+    const STALL: Duration = Duration::from_secs(25);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let env = TestEnv::from_env();
+    runtime.block_on(async {
+        // The one blocking thread is busy until the end: a set-up that
+        // needed one would wait for it.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let blocker = tokio::task::spawn_blocking(move || held.recv());
+        let server = RdmaTransport::default()
+            .max_handshakes(STALLED + ROOM)
+            .connect_timeout(STALL);
+        let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+        let addr = listener.local_addr().to_string();
+        let server_addr: SocketAddr = addr.strip_prefix("rdma://").unwrap().parse().unwrap();
+        let _serving = echo_server(listener);
+
+        // Memory the earlier tests of this process may not have freed yet.
+        let registered_before = transport_rdma::verbs::registered_bytes();
+        let stalling: Vec<_> = (0..STALLED)
+            .map(|_| std::thread::spawn(move || stalled_client(server_addr)))
+            .collect();
+        let stalled: Vec<Stalled> = stalling
+            .into_iter()
+            .map(|t| t.join().expect("a stalling client"))
+            .collect();
+        // Each is answered: the server made its connection and waits.
+        for (_, _, _, id) in &stalled {
+            // SAFETY: `ChannelFd` holds the channel, so its descriptor is
+            // always the same and stays open while the AsyncFd lives.
+            let fd = unsafe { tokio::io::unix::AsyncFd::register(ChannelFd(id.channel().clone())) }
+                .map_err(|e| e.into_parts().1)
+                .unwrap();
+            let _answered = tokio::time::timeout(Duration::from_secs(20), fd.readable())
+                .await
+                .expect("the server never answered a stalling client")
+                .unwrap();
+        }
+        let stalled_at = Instant::now();
+        let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
+        assert!(
+            waiting >= STALLED as u64 * PINNED_PER_END,
+            "the server holds {waiting} bytes for {STALLED} stalled set-ups"
+        );
+
+        // The server's other set-up places serve a burst, promptly.
+        let (mut connected, refused) = tokio::time::timeout(
+            Duration::from_secs(60),
+            burst(&addr, GOOD),
+        )
+        .await
+        .expect("the burst hung");
+        let burst_took = stalled_at.elapsed();
+        eprintln!(
+            "{GOOD} connects beside {STALLED} stalled set-ups: {} connected, {refused} refused, in {burst_took:?}",
+            connected.len()
+        );
+        // A refusal means all of the other places were in use, by set-ups
+        // that then connected.
+        assert!(connected.len() >= ROOM, "only {} connected", connected.len());
+        for stream in &mut connected {
+            echoes(stream).await;
+        }
+        // The refused ones get in on their own.
+        for _ in 0..refused {
+            let mut stream = tokio::time::timeout(Duration::from_secs(30), RdmaStream::connect(&addr))
+                .await
+                .expect("a connect hung")
+                .expect("a refused client connects on its own");
+            echoes(&mut stream).await;
+            connected.push(stream);
+        }
+        assert!(
+            stalled_at.elapsed() < STALL,
+            "the good clients took {:?}, as long as the stalled set-ups' limit",
+            stalled_at.elapsed()
+        );
+
+        // The stalled set-ups time out and free everything: with every
+        // good connection closed, nothing of this test stays registered.
+        for mut stream in connected {
+            stream.shutdown().await.unwrap();
+        }
+        let deadline = stalled_at + STALL + Duration::from_secs(30);
+        while transport_rdma::verbs::registered_bytes() > registered_before {
+            assert!(
+                Instant::now() < deadline,
+                "{} bytes still registered after the stalled set-ups' time limit",
+                transport_rdma::verbs::registered_bytes()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(stalled);
+        // Their set-up places are back: as many clients as places, at
+        // once, all connect.
+        let (mut again, refused) = burst(&addr, STALLED + ROOM).await;
+        assert_eq!(refused, 0, "set-up places were not given back");
+        for stream in &mut again {
+            echoes(stream).await;
+        }
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+    });
 }

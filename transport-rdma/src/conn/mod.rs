@@ -2,7 +2,8 @@
 //! driver task, and the `FrameSink` / `FrameSource` over them.
 //!
 //! Split along its seams: [`setup`] (make the device objects, exchange
-//! hellos), [`state`] (the memory and the queue pair, carrying out what
+//! hellos, awaiting the connection manager's events through
+//! [`cm_events`]), [`state`] (the memory and the queue pair, carrying out what
 //! [`proto::Connection`](crate::proto::Connection) decides), [`io`] (the
 //! sink and source halves the application uses), [`driver`] (the task
 //! that feeds completions and connection-manager events in). The registry
@@ -23,6 +24,7 @@
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it.
 
+mod cm_events;
 mod driver;
 mod io;
 mod setup;
@@ -31,7 +33,7 @@ mod state;
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
-pub(crate) use setup::{accept_blocking, connect_blocking, pinned_bytes};
+pub(crate) use setup::{accept, connect, pinned_bytes};
 pub(crate) use state::pool_contains;
 
 use rpc_core::transport::TransportError;

@@ -1,5 +1,21 @@
 //! Connection set-up: the device objects of one connection, made in an
 //! order that tears down safely, and the hello exchange.
+//!
+//! The set-ups are async: every wait for the connection manager (address
+//! and route resolution, the server's answer, the client's confirmation)
+//! awaits the set-up's own event channel on the runtime ([`CmEvents`]),
+//! each step within `connect_timeout`, so no thread is held while a peer
+//! takes its time. Dropping a set-up's future (cancelled, or timed out)
+//! drops everything it made: the queue pair before its memory, then the
+//! `cm_id` (whose unread events librdmacm discards with it) and, on a
+//! server, the connection's admission lease.
+//!
+//! The device objects (PD, CQ, QP, the memory registrations) are made
+//! synchronously on the task: each is one short system call that waits on
+//! no peer, and their sizes are bounded by this side's settings and the
+//! peer's hello within [`RdmaTransport::max_peer`] (milliseconds for the
+//! defaults' few MiB). Sending them to `spawn_blocking` would make every
+//! set-up depend on the blocking pool again, which is what this avoids.
 
 use std::collections::HashMap;
 use std::io;
@@ -9,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
 use tokio::sync::Notify;
 
+use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
 use super::state::{Buffers, Shared, State};
 use crate::admission::Lease;
@@ -166,21 +183,21 @@ fn finish(
     })
 }
 
-/// Client side, blocking: resolve, create, connect, exchange hellos. With
-/// a shared secret, a first connect request without a queue pair fetches
-/// the listener's challenge (nothing is allocated for a request the
-/// listener refuses), and the real one carries the proof.
-pub(crate) fn connect_blocking(
+/// Client side: resolve, create, connect, exchange hellos. With a shared
+/// secret, a first connect request without a queue pair fetches the
+/// listener's challenge (nothing is allocated for a request the listener
+/// refuses), and the real one carries the proof.
+pub(crate) async fn connect(
     addr: SocketAddr,
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
     let ctx = format!("connect to rdma://{addr}");
     let challenge = match &cfg.auth_secret {
-        Some(_) => Some(fetch_challenge(addr, cfg, &ctx)?),
+        Some(_) => Some(fetch_challenge(addr, cfg, &ctx).await?),
         None => None,
     };
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
-    let mut id = resolved_id(addr, cfg).map_err(e)?;
+    let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
     let half = make_half(&mut id, cfg).map_err(e)?;
     let request = match (&cfg.auth_secret, &challenge) {
         (Some(secret), Some(challenge)) => {
@@ -188,7 +205,8 @@ pub(crate) fn connect_blocking(
         }
         _ => half.own.to_bytes().to_vec(),
     };
-    let reply = match id.connect(&request, cfg.connect_timeout) {
+    id.start_connect(&request).map_err(e)?;
+    let reply = match events.next().await.and_then(Event::connect_reply) {
         Ok(reply) => reply,
         Err(crate::verbs::Error::Rejected {
             status,
@@ -196,6 +214,8 @@ pub(crate) fn connect_blocking(
         }) => return Err(rejected(&ctx, status, &private_data)),
         Err(other) => return Err(e(other)),
     };
+    // The connection's driver registers the channel next.
+    drop(events);
     if let Some(secret) = &cfg.auth_secret {
         let request = request[..].try_into().expect("a proven request");
         if let Err(why) = auth::check_reply(secret, request, &reply) {
@@ -220,31 +240,38 @@ pub(crate) fn connect_blocking(
 }
 
 /// A connection manager id bound to a route to `addr`, with the
-/// connection settings.
-fn resolved_id(addr: SocketAddr, cfg: &RdmaTransport) -> Result<CmId, crate::verbs::Error> {
+/// connection settings, and its channel's events.
+async fn resolved_id(
+    addr: SocketAddr,
+    cfg: &RdmaTransport,
+) -> Result<(CmId, CmEvents), crate::verbs::Error> {
     let channel = EventChannel::new()?;
+    let events = CmEvents::new(&channel, cfg.connect_timeout)?;
     let mut id = CmId::new(&channel)?;
     if let Some(tos) = cfg.type_of_service {
         id.set_type_of_service(tos)?;
     }
-    id.resolve_from(cfg.source_address, addr, cfg.connect_timeout)?;
+    id.start_resolve_addr(cfg.source_address, addr, cfg.connect_timeout)?;
+    events.expect(event::RDMA_CM_EVENT_ADDR_RESOLVED).await?;
+    id.start_resolve_route(cfg.connect_timeout)?;
+    events.expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED).await?;
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent)?;
     }
-    Ok(id)
+    Ok((id, events))
 }
 
 /// The listener's challenge: a connect request with this side's geometry,
 /// no proof and no queue pair, which a listener with a secret refuses with
 /// a challenge. One that accepts it instead has no secret, and this side,
 /// which has one, will not use it (its id is destroyed unconnected).
-fn fetch_challenge(
+async fn fetch_challenge(
     addr: SocketAddr,
     cfg: &RdmaTransport,
     ctx: &str,
 ) -> Result<Challenge, TransportError> {
     let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
-    let mut id = resolved_id(addr, cfg).map_err(e)?;
+    let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
     let hello = Hello {
         ring_slots: cfg.ring_slots,
         slot_size: cfg.slot_size,
@@ -253,7 +280,8 @@ fn fetch_challenge(
         region_len: cfg.region_len,
         reads_rendezvous: cfg.rendezvous_threshold.is_some(),
     };
-    match id.connect(&hello.to_bytes(), cfg.connect_timeout) {
+    id.start_connect(&hello.to_bytes()).map_err(e)?;
+    match events.next().await.and_then(Event::connect_reply) {
         Err(crate::verbs::Error::Rejected {
             status,
             private_data,
@@ -300,11 +328,16 @@ fn rejected(ctx: &str, status: i32, private_data: &[u8]) -> TransportError {
     }
 }
 
-/// Server side, blocking: move the request's id to its own channel,
-/// create, accept. The client's hello was validated, its proof checked
-/// (`proven`, when the listener has a secret), and the connection admitted
-/// (`lease`), by the listener.
-pub(crate) fn accept_blocking(
+/// Server side: move the request's id to its own channel, create,
+/// accept, wait for the client's confirmation. The client's hello was
+/// validated, its proof checked (`proven`, when the listener has a
+/// secret), and the connection admitted (`lease`), by the listener.
+///
+/// The accepted id's events come on its own channel from here on (moved
+/// off the listener's with `rdma_migrate_id`, events still queued for it
+/// included): `RDMA_CM_EVENT_ESTABLISHED` when the client confirms, an
+/// error event (or nothing, until the time limit) when it does not.
+pub(crate) async fn accept(
     mut id: CmId,
     peer: Hello,
     proven: Option<Proven>,
@@ -318,6 +351,7 @@ pub(crate) fn accept_blocking(
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let channel = EventChannel::new().map_err(e)?;
     id.migrate(&channel).map_err(e)?;
+    let events = CmEvents::new(&channel, cfg.connect_timeout).map_err(e)?;
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
@@ -328,7 +362,11 @@ pub(crate) fn accept_blocking(
         (Some(proven), Some(secret)) => proven.reply(secret, own).to_vec(),
         _ => own.to_vec(),
     };
-    est.id.accept(&reply, cfg.connect_timeout).map_err(e)?;
+    est.id.start_accept(&reply).map_err(e)?;
+    events
+        .expect(event::RDMA_CM_EVENT_ESTABLISHED)
+        .await
+        .map_err(e)?;
     Ok(est)
 }
 

@@ -12,8 +12,10 @@ use rdma_sys::rdma_cm_event_type as event;
 use super::{last_os_error, Error, Result};
 
 /// An `rdma_event_channel`: where the connection manager reports events for
-/// the `cm_id`s created on it. Its file descriptor is non-blocking; waits
-/// use `poll(2)` with a timeout.
+/// the `cm_id`s created on it. Its file descriptor is non-blocking: take
+/// events with [`try_event`](Self::try_event) when it is readable (the
+/// transport registers it with tokio), or with the blocking waits of
+/// [`CmId`], which use `poll(2)` with a timeout.
 pub struct EventChannel {
     raw: NonNull<ffi::rdma_event_channel>,
 }
@@ -89,7 +91,9 @@ impl EventChannel {
         }))
     }
 
-    fn try_next(&self) -> Result<Option<Event>> {
+    /// Takes the next event without waiting, if there is one, with what
+    /// the set-up needs of it (its private data), acknowledged already.
+    pub(crate) fn try_next(&self) -> Result<Option<Event>> {
         let mut raw: *mut ffi::rdma_cm_event = ptr::null_mut();
         // SAFETY: the channel is live; `raw` is a valid out-pointer. The
         // descriptor is non-blocking, so this returns at once.
@@ -112,26 +116,12 @@ impl EventChannel {
     }
 
     /// Waits up to `timeout` for the next event, copies what the callers
-    /// need out of it and acknowledges it.
+    /// need out of it and acknowledges it (blocking the thread).
     fn next_event(&self, timeout: Duration) -> Result<Event> {
         let deadline = Instant::now() + timeout;
         loop {
-            let mut raw: *mut ffi::rdma_cm_event = ptr::null_mut();
-            // SAFETY: the channel is live; `raw` is a valid out-pointer. The
-            // descriptor is non-blocking, so this returns at once.
-            let ret = unsafe { ffi::rdma_get_cm_event(self.raw.as_ptr(), &mut raw) };
-            if ret == 0 {
-                // SAFETY: on success `raw` points to an event that stays
-                // valid until it is acknowledged below.
-                let event = unsafe { Event::copy_from(&*raw) };
-                // SAFETY: `raw` came from rdma_get_cm_event and is
-                // acknowledged once; nothing refers to it afterwards.
-                unsafe { ffi::rdma_ack_cm_event(raw) };
+            if let Some(event) = self.try_next()? {
                 return Ok(event);
-            }
-            let err = last_os_error();
-            if err.kind() != std::io::ErrorKind::WouldBlock {
-                return Err(Error::GetCmEvent(err));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -158,16 +148,7 @@ impl EventChannel {
 
     /// The next event, which must be `expected`.
     fn expect(&self, expected: event::Type, timeout: Duration) -> Result<Event> {
-        let e = self.next_event(timeout)?;
-        if e.kind == expected {
-            Ok(e)
-        } else {
-            Err(Error::UnexpectedCmEvent {
-                expected: event_name(expected),
-                got: event_str(e.kind),
-                status: e.status,
-            })
-        }
+        self.next_event(timeout)?.expect(expected)
     }
 }
 
@@ -179,8 +160,9 @@ impl Drop for EventChannel {
     }
 }
 
-/// What we keep of an `rdma_cm_event`.
-struct Event {
+/// What we keep of an `rdma_cm_event` (acknowledged once copied).
+#[derive(Debug)]
+pub(crate) struct Event {
     kind: event::Type,
     status: i32,
     id: *mut ffi::rdma_cm_id,
@@ -188,6 +170,37 @@ struct Event {
 }
 
 impl Event {
+    /// This event, if it is `expected`; otherwise the error naming both.
+    pub(crate) fn expect(self, expected: event::Type) -> Result<Self> {
+        if self.kind == expected {
+            Ok(self)
+        } else {
+            Err(Error::UnexpectedCmEvent {
+                expected: event_name(expected),
+                got: event_str(self.kind),
+                status: self.status,
+            })
+        }
+    }
+
+    /// The answer to a connect request: the server's private data when
+    /// established (may be zero-padded), [`Error::Rejected`] with its
+    /// private data when refused.
+    pub(crate) fn connect_reply(self) -> Result<Vec<u8>> {
+        match self.kind {
+            event::RDMA_CM_EVENT_ESTABLISHED => Ok(self.private_data),
+            event::RDMA_CM_EVENT_REJECTED => Err(Error::Rejected {
+                status: self.status,
+                private_data: self.private_data,
+            }),
+            other => Err(Error::UnexpectedCmEvent {
+                expected: event_name(event::RDMA_CM_EVENT_ESTABLISHED),
+                got: event_str(other),
+                status: self.status,
+            }),
+        }
+    }
+
     /// # Safety
     /// `raw` must be an event from `rdma_get_cm_event` not yet acknowledged.
     unsafe fn copy_from(raw: &ffi::rdma_cm_event) -> Self {
@@ -492,38 +505,64 @@ impl CmId {
         addr: SocketAddr,
         timeout: Duration,
     ) -> Result<()> {
+        self.start_resolve_addr(source, addr, timeout)?;
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
+        self.start_resolve_route(timeout)?;
+        self.inner
+            .channel
+            .expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
+        Ok(())
+    }
+
+    /// Starts resolving `addr` (from `source`, or an address the system
+    /// picks) to a device (`rdma_resolve_addr`) without waiting: the
+    /// channel reports `RDMA_CM_EVENT_ADDR_RESOLVED` (or an error event),
+    /// within `timeout`.
+    pub fn start_resolve_addr(
+        &mut self,
+        source: Option<std::net::IpAddr>,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<()> {
         let mut src = source.map(|ip| sockaddr(SocketAddr::new(ip, 0)));
         let src_ptr: *mut libc::sockaddr = match &mut src {
             Some(src) => ptr::addr_of_mut!(*src).cast(),
             None => ptr::null_mut(),
         };
         let mut sin = sockaddr(addr);
-        let ms = i32::try_from(timeout.as_millis())
-            .unwrap_or(i32::MAX)
-            .max(1);
         // SAFETY: the id is live; `sin` (and `src`, when given) holds a
         // valid sockaddr of its family, read during the call; a NULL source
         // lets librdmacm pick one.
         let ret = unsafe {
-            ffi::rdma_resolve_addr(self.as_ptr(), src_ptr, ptr::addr_of_mut!(sin).cast(), ms)
+            ffi::rdma_resolve_addr(
+                self.as_ptr(),
+                src_ptr,
+                ptr::addr_of_mut!(sin).cast(),
+                timeout_ms(timeout),
+            )
         };
-        if ret != 0 {
-            return Err(Error::ResolveAddr {
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(Error::ResolveAddr {
                 addr,
                 source: last_os_error(),
-            });
+            })
         }
-        self.inner
-            .channel
-            .expect(event::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
-        // SAFETY: the id is live and its address is resolved.
-        if unsafe { ffi::rdma_resolve_route(self.as_ptr(), ms) } != 0 {
-            return Err(Error::ResolveRoute(last_os_error()));
+    }
+
+    /// Starts resolving the route of an id whose address is resolved
+    /// (`rdma_resolve_route`) without waiting: the channel reports
+    /// `RDMA_CM_EVENT_ROUTE_RESOLVED` (or an error event).
+    pub fn start_resolve_route(&mut self, timeout: Duration) -> Result<()> {
+        // SAFETY: the id is live; librdmacm checks its address is resolved.
+        if unsafe { ffi::rdma_resolve_route(self.as_ptr(), timeout_ms(timeout)) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::ResolveRoute(last_os_error()))
         }
-        self.inner
-            .channel
-            .expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
-        Ok(())
     }
 
     /// Sets the type of service (IP ToS / traffic class) of the
@@ -571,24 +610,23 @@ impl CmId {
     /// established; returns the server's private data (may be zero-padded).
     /// Create the id's [`QueuePair`](super::QueuePair) first.
     pub fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        self.start_connect(private_data)?;
+        self.inner.channel.next_event(timeout)?.connect_reply()
+    }
+
+    /// Sends the connect request (`rdma_connect`) without waiting: the
+    /// channel reports `RDMA_CM_EVENT_ESTABLISHED` or
+    /// `RDMA_CM_EVENT_REJECTED`. The connection completes only when that
+    /// event is read (librdmacm answers the server's reply then), so an id
+    /// whose events nobody reads leaves the server waiting.
+    pub fn start_connect(&mut self, private_data: &[u8]) -> Result<()> {
         let mut param = conn_param(private_data)?;
         // SAFETY: the id is live with a resolved route; `param` and the
         // private data it points to outlive the call, which copies them.
-        if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } != 0 {
-            return Err(Error::Connect(last_os_error()));
-        }
-        let e = self.inner.channel.next_event(timeout)?;
-        match e.kind {
-            event::RDMA_CM_EVENT_ESTABLISHED => Ok(e.private_data),
-            event::RDMA_CM_EVENT_REJECTED => Err(Error::Rejected {
-                status: e.status,
-                private_data: e.private_data,
-            }),
-            other => Err(Error::UnexpectedCmEvent {
-                expected: event_name(event::RDMA_CM_EVENT_ESTABLISHED),
-                got: event_str(other),
-                status: e.status,
-            }),
+        if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Connect(last_os_error()))
         }
     }
 
@@ -596,16 +634,26 @@ impl CmId {
     /// connection is established. Create the id's
     /// [`QueuePair`](super::QueuePair) (and post receives) first.
     pub fn accept(&mut self, private_data: &[u8], timeout: Duration) -> Result<()> {
-        let mut param = conn_param(private_data)?;
-        // SAFETY: the id is live (from a connect request); `param` and its
-        // private data outlive the call, which copies them.
-        if unsafe { ffi::rdma_accept(self.as_ptr(), &mut param) } != 0 {
-            return Err(Error::Accept(last_os_error()));
-        }
+        self.start_accept(private_data)?;
         self.inner
             .channel
             .expect(event::RDMA_CM_EVENT_ESTABLISHED, timeout)?;
         Ok(())
+    }
+
+    /// Accepts this connect request (`rdma_accept`) without waiting: the
+    /// id's channel reports `RDMA_CM_EVENT_ESTABLISHED` (or an error
+    /// event). Create the id's [`QueuePair`](super::QueuePair) (and post
+    /// receives) first.
+    pub fn start_accept(&mut self, private_data: &[u8]) -> Result<()> {
+        let mut param = conn_param(private_data)?;
+        // SAFETY: the id is live (from a connect request); `param` and its
+        // private data outlive the call, which copies them.
+        if unsafe { ffi::rdma_accept(self.as_ptr(), &mut param) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Accept(last_os_error()))
+        }
     }
 
     /// Starts tearing the connection down (`rdma_disconnect`).
@@ -625,6 +673,13 @@ impl CmId {
             .expect(event::RDMA_CM_EVENT_DISCONNECTED, timeout)
             .map(drop)
     }
+}
+
+/// A librdmacm timeout argument: milliseconds, at least 1.
+fn timeout_ms(timeout: Duration) -> i32 {
+    i32::try_from(timeout.as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1)
 }
 
 fn conn_param(private_data: &[u8]) -> Result<ffi::rdma_conn_param> {
@@ -704,5 +759,58 @@ fn event_name(kind: event::Type) -> &'static str {
         event::RDMA_CM_EVENT_ESTABLISHED => "RDMA_CM_EVENT_ESTABLISHED",
         event::RDMA_CM_EVENT_DISCONNECTED => "RDMA_CM_EVENT_DISCONNECTED",
         _ => "another connection manager event",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: event::Type, status: i32, private_data: &[u8]) -> Event {
+        Event {
+            kind,
+            status,
+            id: ptr::null_mut(),
+            private_data: private_data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_connect_reply_is_the_servers_data_its_refusal_or_an_unexpected_event() {
+        let reply = event(event::RDMA_CM_EVENT_ESTABLISHED, 0, b"hello").connect_reply();
+        assert_eq!(reply.unwrap(), b"hello");
+        match event(event::RDMA_CM_EVENT_REJECTED, 28, b"why").connect_reply() {
+            Err(Error::Rejected {
+                status,
+                private_data,
+            }) => assert_eq!((status, &private_data[..]), (28, &b"why"[..])),
+            other => panic!("{other:?}"),
+        }
+        match event(event::RDMA_CM_EVENT_CONNECT_RESPONSE, 0, b"").connect_reply() {
+            Err(Error::UnexpectedCmEvent { expected, got, .. }) => {
+                assert_eq!(expected, "RDMA_CM_EVENT_ESTABLISHED");
+                assert_eq!(got, "RDMA_CM_EVENT_CONNECT_RESPONSE");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_expected_event_passes_and_another_names_both() {
+        let e = event(event::RDMA_CM_EVENT_ADDR_RESOLVED, 0, b"");
+        assert!(e.expect(event::RDMA_CM_EVENT_ADDR_RESOLVED).is_ok());
+        let e = event(event::RDMA_CM_EVENT_ADDR_ERROR, -110, b"");
+        match e.expect(event::RDMA_CM_EVENT_ADDR_RESOLVED) {
+            Err(Error::UnexpectedCmEvent {
+                expected,
+                got,
+                status,
+            }) => {
+                assert_eq!(expected, "RDMA_CM_EVENT_ADDR_RESOLVED");
+                assert_eq!(got, "RDMA_CM_EVENT_ADDR_ERROR");
+                assert_eq!(status, -110);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -47,7 +47,8 @@ pub enum Error {
     /// `rdma_disconnect` failed.
     #[error("rdma_disconnect failed: {0}")]
     Disconnect(#[source] io::Error),
-    /// `rdma_get_cm_event` (or the `poll(2)` waiting for it) failed.
+    /// `rdma_get_cm_event` (or the wait for it: `poll(2)`, or registering
+    /// the channel with tokio) failed.
     #[error("rdma_get_cm_event failed: {0}")]
     GetCmEvent(#[source] io::Error),
     /// `rdma_create_qp` failed.

@@ -35,7 +35,9 @@
 //! # Time limits
 //! Every wait takes a timeout: connection-manager events through `poll(2)`
 //! on the channel's non-blocking file descriptor, completions by polling the
-//! completion queue.
+//! completion queue. These waits block the calling thread; the transport
+//! itself uses only the `start_*` calls ([`CmId::start_connect`], ...) and
+//! reads the channel when tokio reports its descriptor readable.
 
 mod async_event;
 mod cm;
@@ -52,8 +54,8 @@ pub use async_event::{
     async_events_read, AsyncEvent, AsyncEventKind, AsyncEvents, CqId, DeviceEventCounts, DeviceId,
     EventElement,
 };
-pub(crate) use cm::SharedCmId;
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
+pub(crate) use cm::{Event as CmEventRecord, SharedCmId};
 pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
