@@ -374,3 +374,46 @@ async fn a_recorded_proof_cannot_be_replayed() {
     );
     drop(listener);
 }
+
+/// Many authenticated connects from one process at once all get in: each
+/// challenge request (which has no queue pair) names the queue pair its
+/// connection will use, so the connection manager never takes two of them
+/// for one stale connection (they all named queue pair 0 before, and a
+/// burst could be refused "reject status 10").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn concurrent_authenticated_connects_from_one_host_all_get_in() {
+    const AT_ONCE: usize = 16;
+    let env = TestEnv::from_env();
+    let key = "sixteen byte key";
+    let mut listener = with_secret(key)
+        .bind_stream(&env.local_listen())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().to_string();
+    let accepting = tokio::spawn(async move {
+        let mut streams = Vec::new();
+        while streams.len() < AT_ONCE {
+            let (stream, _) = listener.accept().await.expect("accepts");
+            streams.push(stream);
+        }
+        streams
+    });
+    let client = with_secret(key);
+    let connects = (0..AT_ONCE).map(|_| client.connect_stream(&addr));
+    for (i, stream) in futures::future::join_all(connects)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let stream = stream.unwrap_or_else(|e| panic!("connect {i} of {AT_ONCE}: {e}"));
+        assert_eq!(stream.peer_identity(), Some(auth::PROVEN_IDENTITY));
+    }
+    let streams = tokio::time::timeout(std::time::Duration::from_secs(60), accepting)
+        .await
+        .expect("the server accepted them all")
+        .unwrap();
+    assert!(streams
+        .iter()
+        .all(|s| s.peer_identity() == Some(auth::PROVEN_IDENTITY)));
+}

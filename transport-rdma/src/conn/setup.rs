@@ -192,13 +192,16 @@ pub(crate) async fn connect(
     cfg: &RdmaTransport,
 ) -> Result<Established, TransportError> {
     let ctx = format!("connect to rdma://{addr}");
-    let challenge = match &cfg.auth_secret {
-        Some(_) => Some(fetch_challenge(addr, cfg, &ctx).await?),
-        None => None,
-    };
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
     let half = make_half(&mut id, cfg).map_err(e)?;
+    // The challenge request names this connection's queue pair: unique
+    // among this host's connections, and not connected until the
+    // challenge was answered.
+    let challenge = match &cfg.auth_secret {
+        Some(_) => Some(fetch_challenge(addr, cfg, &ctx, half.wired.qp.qp_num()).await?),
+        None => None,
+    };
     let request = match (&cfg.auth_secret, &challenge) {
         (Some(secret), Some(challenge)) => {
             auth::proven_request(secret, half.own.to_bytes(), challenge).to_vec()
@@ -262,13 +265,15 @@ async fn resolved_id(
 }
 
 /// The listener's challenge: a connect request with this side's geometry,
-/// no proof and no queue pair, which a listener with a secret refuses with
-/// a challenge. One that accepts it instead has no secret, and this side,
+/// no proof and no queue pair (naming `qp_num`, the queue pair the real
+/// request will bring: see [`CmId::start_connect_naming_qp`]), which a
+/// listener with a secret refuses with a challenge. One that accepts it instead has no secret, and this side,
 /// which has one, will not use it (its id is destroyed unconnected).
 async fn fetch_challenge(
     addr: SocketAddr,
     cfg: &RdmaTransport,
     ctx: &str,
+    qp_num: u32,
 ) -> Result<Challenge, TransportError> {
     let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
@@ -280,7 +285,8 @@ async fn fetch_challenge(
         region_len: cfg.region_len,
         reads_rendezvous: cfg.rendezvous_threshold.is_some(),
     };
-    id.start_connect(&hello.to_bytes()).map_err(e)?;
+    id.start_connect_naming_qp(&hello.to_bytes(), qp_num)
+        .map_err(e)?;
     match events.next().await.and_then(Event::connect_reply) {
         Err(crate::verbs::Error::Rejected {
             status,

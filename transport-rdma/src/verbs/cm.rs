@@ -630,6 +630,26 @@ impl CmId {
         }
     }
 
+    /// [`start_connect`](Self::start_connect) for an id with no queue pair
+    /// (a request meant to be refused, e.g. to fetch a challenge), naming
+    /// `qp_num` as its queue pair. The connection manager takes a request
+    /// from a host naming the queue pair of a live one as a stale
+    /// connection (rejects it, and may disconnect the live one), and a
+    /// request with no queue pair names 0 unless told otherwise: name one
+    /// this process owns and uses for nothing else until the request is
+    /// answered.
+    pub fn start_connect_naming_qp(&mut self, private_data: &[u8], qp_num: u32) -> Result<()> {
+        let mut param = conn_param(private_data)?;
+        param.qp_num = qp_num;
+        // SAFETY: as in `start_connect`; librdmacm uses `qp_num` only
+        // because the id has no queue pair.
+        if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } == 0 {
+            Ok(())
+        } else {
+            Err(Error::Connect(last_os_error()))
+        }
+    }
+
     /// Accepts this connect request (`rdma_accept`) and waits until the
     /// connection is established. Create the id's
     /// [`QueuePair`](super::QueuePair) (and post receives) first.
