@@ -447,8 +447,13 @@ impl RdmaTransport {
     /// [`rendezvous_pool`](Self::rendezvous_pool) in
     /// [`max_pinned_bytes`](Self::max_pinned_bytes).
     ///
-    /// Not on by default yet: between two Soft-RoCE guests (`cargo xtask
-    /// rxe --hosts 2`) READs of a 3 MiB frame stalled. The threshold is
+    /// Not on by default: it pins a pool per connection (counted by the
+    /// listener's budget), and between two Soft-RoCE guests (`cargo xtask
+    /// rxe --hosts 2`) large READs crawl — raw verbs too: `ib_read_bw -s
+    /// 1048576 -n 64` across the two guests did 1.7 MB/s where
+    /// `ib_write_bw` did 18.7 MB/s, and 4 MiB READs did not finish 64
+    /// iterations in 120 s (64 KiB READs: 10.0 MB/s, writes 5.2 MB/s);
+    /// a 3 MiB echo by rendezvous stalled there the same way. The threshold is
     /// measured (`tests/rendezvous.rs`,
     /// `measure_push_throughput`: one-way pushes of 64 KiB to 64 MiB
     /// frames with the rendezvous off and on, release build, Soft-RoCE in
