@@ -30,6 +30,13 @@
 //!   queued with one `write`; frames sent meanwhile wait for the next. It also
 //!   finishes a frame the socket had no room for inline, before anything
 //!   queued behind it.
+//! - **Large payloads by reference.** A frame whose payload is at least
+//!   [`GATHER_THRESHOLD`](rpc_core::frame::GATHER_THRESHOLD) (32 KiB) is
+//!   gathered ([`OutFrame::gather`]) instead of encoded: its head and small
+//!   fields are copied, but each large [`bytes::Bytes`] (a `Bytes`
+//!   payload, a prost `bytes` field) is held by reference and written from
+//!   where it is with vectored writes, in order with the frames around it.
+//!   Over TLS the segments go to the session one after the other.
 //!
 //! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer
 //! and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
@@ -58,13 +65,14 @@
 //! instead of growing memory.
 
 mod budget;
+mod outgoing;
 #[doc(hidden)]
 pub mod reader;
 pub mod tls;
 
 use std::fs::File;
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::mem;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -73,7 +81,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
@@ -81,6 +89,7 @@ use rpc_core::transport::{
 };
 
 use budget::ReadBudget;
+use outgoing::Outgoing;
 use reader::FrameReader;
 use tokio::io::AsyncRead;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -196,8 +205,8 @@ impl TcpTransport {
         let received = Arc::new(AtomicBool::new(true));
         let shared = Arc::new(SinkShared {
             state: Mutex::new(SinkState {
-                queued: BytesMut::new(),
-                unfinished: BytesMut::new(),
+                queued: Outgoing::default(),
+                unfinished: Outgoing::default(),
                 spare: BytesMut::new(),
                 writer: Writer::Idle,
                 closed: false,
@@ -439,6 +448,15 @@ pub(crate) trait WriteHalf: Send + Sync + 'static {
     /// took, or `WouldBlock` when it takes none.
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize>;
 
+    /// As [`WriteHalf::try_write`], from several buffers in order. By
+    /// default it writes the first non-empty one.
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match bufs.iter().find(|b| !b.is_empty()) {
+            Some(buf) => self.try_write(buf),
+            None => Ok(0),
+        }
+    }
+
     /// Sends, without waiting, what was taken but is still held back (TLS
     /// records the socket had no room for); true when nothing is left.
     /// Plain TCP holds nothing back: always true.
@@ -458,6 +476,10 @@ pub(crate) trait WriteHalf: Send + Sync + 'static {
 impl WriteHalf for OwnedWriteHalf {
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
         OwnedWriteHalf::try_write(self, bytes)
+    }
+
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        OwnedWriteHalf::try_write_vectored(self, bufs)
     }
 
     fn try_flush(&self) -> io::Result<bool> {
@@ -500,10 +522,10 @@ enum Writer {
 
 struct SinkState {
     /// Length-prefixed frames accepted and not yet taken by a writer.
-    queued: BytesMut,
+    queued: Outgoing,
     /// The rest of a frame an inline write could not finish (the socket was
     /// full): the writer task sends it before anything in `queued`.
-    unfinished: BytesMut,
+    unfinished: Outgoing,
     /// A cleared buffer that keeps its capacity, for the next inline write.
     spare: BytesMut,
     writer: Writer,
@@ -527,8 +549,8 @@ impl SinkState {
     /// Records a write error: every waiting and later sender fails with it.
     fn fail(&mut self, error: &io::Error) {
         self.failed = Some((error.kind(), error.to_string()));
-        self.queued = BytesMut::new();
-        self.unfinished = BytesMut::new();
+        self.queued = Outgoing::default();
+        self.unfinished = Outgoing::default();
         for waiter in self.waiters.drain(..) {
             waiter.wake();
         }
@@ -560,30 +582,27 @@ impl<W: WriteHalf> SinkShared<W> {
         prefix: u32,
     ) -> Result<(), TransportError> {
         state.writer = Writer::Inline;
-        let mut out = mem::take(&mut state.spare);
+        let mut out = Outgoing::with_tail(mem::take(&mut state.spare));
         drop(state);
         let encoding = ReleaseOnUnwind(self);
-        out.reserve(4 + frame.len());
-        out.put_u32_le(prefix);
-        frame.encode(&mut out);
+        out.push_frame(frame, prefix);
         mem::forget(encoding);
-        let written = try_write_all(&self.socket, &out)
-            .and_then(|n| Ok((n, n == out.len() && self.socket.try_flush()?)));
-        let all_out = matches!(written, Ok((_, true)));
+        let written = out
+            .try_write(&self.socket)
+            .and_then(|()| Ok(out.is_empty() && self.socket.try_flush()?));
+        let all_out = matches!(written, Ok(true));
         let mut state = self.lock();
         match written {
-            Ok((_, true)) => {
-                out.clear();
+            Ok(true) => {
                 if out.capacity() <= self.max_kept_capacity() {
-                    state.spare = out;
+                    state.spare = out.into_tail();
                 }
             }
-            Ok((n, false)) => {
+            Ok(false) => {
                 // The socket is full: the writer task finishes this frame
                 // (before anything queued meanwhile) once it has room; over
                 // TLS, the rest may be records held back (`unfinished` is
                 // then empty and the task flushes them).
-                out.advance(n);
                 state.unfinished = out;
             }
             Err(error) => {
@@ -614,21 +633,6 @@ impl<W: WriteHalf> Drop for ReleaseOnUnwind<'_, W> {
             state.hand_to_task(&self.0.wake_writer);
         }
     }
-}
-
-/// Writes as much of `bytes` as the socket takes without waiting.
-fn try_write_all<W: WriteHalf>(socket: &W, bytes: &[u8]) -> io::Result<usize> {
-    let mut written = 0;
-    while written < bytes.len() {
-        match socket.try_write(&bytes[written..]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(written)
 }
 
 struct TcpSink<W: WriteHalf> {
@@ -672,9 +676,7 @@ impl<W: WriteHalf> FrameSink for TcpSink<W> {
         }
         // Someone is writing: queue, and the next write takes this frame
         // along with every other queued by then.
-        state.queued.reserve(4 + len);
-        state.queued.put_u32_le(prefix);
-        frame.encode(&mut state.queued);
+        state.queued.push_frame(frame, prefix);
         Poll::Ready(Ok(()))
     }
 
@@ -705,7 +707,7 @@ impl<W: WriteHalf> Drop for TcpSink<W> {
 /// with the sender that woke it queue their frames first and leave in the
 /// same `write`.
 async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
-    let mut batch = BytesMut::new();
+    let mut batch = Outgoing::default();
     loop {
         // Wait until an inline sender or `close` hands the socket over.
         loop {
@@ -755,7 +757,7 @@ async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
                 if closed {
                     // Every accepted frame is out: the peer sees end-of-stream.
                     shared.socket.start_close();
-                    if write_all(&shared.socket, &[]).await.is_ok() {
+                    if write_all(&shared.socket, &mut batch).await.is_ok() {
                         shared.socket.shutdown_write();
                     }
                     return;
@@ -764,25 +766,24 @@ async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
                     break;
                 }
             }
-            if let Err(error) = write_all(&shared.socket, &batch).await {
+            if let Err(error) = write_all(&shared.socket, &mut batch).await {
                 shared.lock().fail(&error);
                 return;
             }
             batch.clear();
             if batch.capacity() > shared.max_kept_capacity() {
-                batch = BytesMut::new(); // after a huge frame, do not keep its buffer forever
+                batch = Outgoing::default(); // after a huge frame, do not keep its buffer forever
             }
         }
     }
 }
 
-/// Writes all of `bytes` and flushes what the stream held back, waiting
+/// Writes all of `out` and flushes what the stream held back, waiting
 /// for room in the socket as needed.
-async fn write_all<W: WriteHalf>(socket: &W, mut bytes: &[u8]) -> io::Result<()> {
+async fn write_all<W: WriteHalf>(socket: &W, out: &mut Outgoing) -> io::Result<()> {
     loop {
-        let n = try_write_all(socket, bytes)?;
-        bytes = &bytes[n..];
-        if bytes.is_empty() && socket.try_flush()? {
+        out.try_write(socket)?;
+        if out.is_empty() && socket.try_flush()? {
             return Ok(());
         }
         socket.writable().await?;
