@@ -81,8 +81,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use rpc_core::frame::OutFrame;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use rpc_core::frame::{OutFrame, GATHER_THRESHOLD};
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
     TransportError,
@@ -582,20 +582,45 @@ impl<W: WriteHalf> SinkShared<W> {
         prefix: u32,
     ) -> Result<(), TransportError> {
         state.writer = Writer::Inline;
-        let mut out = Outgoing::with_tail(mem::take(&mut state.spare));
+        let mut out = mem::take(&mut state.spare);
         drop(state);
         let encoding = ReleaseOnUnwind(self);
-        out.push_frame(frame, prefix);
+        // A small frame is encoded into `out` and written with one `write`;
+        // a large one is gathered, its large fields by reference.
+        let mut gathered = None;
+        if frame.payload_len() < GATHER_THRESHOLD {
+            out.reserve(4 + frame.len());
+            out.put_u32_le(prefix);
+            frame.encode(&mut out);
+        } else {
+            let mut large = Outgoing::with_tail(mem::take(&mut out));
+            large.push_frame(frame, prefix);
+            gathered = Some(large);
+        }
         mem::forget(encoding);
-        let written = out
-            .try_write(&self.socket)
-            .and_then(|()| Ok(out.is_empty() && self.socket.try_flush()?));
+        let written = match &mut gathered {
+            None => try_write_all(&self.socket, &out).and_then(|n| {
+                if n == out.len() {
+                    out.clear(); // keeps the buffer's whole capacity
+                    self.socket.try_flush()
+                } else {
+                    out.advance(n);
+                    Ok(false)
+                }
+            }),
+            Some(large) => large
+                .try_write(&self.socket)
+                .and_then(|()| Ok(large.is_empty() && self.socket.try_flush()?)),
+        };
         let all_out = matches!(written, Ok(true));
         let mut state = self.lock();
         match written {
             Ok(true) => {
+                if let Some(large) = gathered {
+                    out = large.into_tail();
+                }
                 if out.capacity() <= self.max_kept_capacity() {
-                    state.spare = out.into_tail();
+                    state.spare = out;
                 }
             }
             Ok(false) => {
@@ -603,7 +628,7 @@ impl<W: WriteHalf> SinkShared<W> {
                 // (before anything queued meanwhile) once it has room; over
                 // TLS, the rest may be records held back (`unfinished` is
                 // then empty and the task flushes them).
-                state.unfinished = out;
+                state.unfinished = gathered.unwrap_or_else(|| Outgoing::with_tail(out));
             }
             Err(error) => {
                 state.fail(&error);
@@ -618,6 +643,21 @@ impl<W: WriteHalf> SinkShared<W> {
         }
         Ok(())
     }
+}
+
+/// Writes as much of `bytes` as the socket takes without waiting.
+fn try_write_all<W: WriteHalf>(socket: &W, bytes: &[u8]) -> io::Result<usize> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match socket.try_write(&bytes[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(written)
 }
 
 /// Gives the socket up if encoding an inline frame panics (a payload's

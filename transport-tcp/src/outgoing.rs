@@ -28,9 +28,9 @@ pub(crate) struct Outgoing {
 }
 
 impl Outgoing {
-    /// Nothing queued yet; small frames are encoded into `tail`'s capacity.
+    /// `tail`'s bytes, then what is pushed; small frames are encoded into
+    /// its capacity.
     pub(crate) fn with_tail(tail: BytesMut) -> Outgoing {
-        debug_assert!(tail.is_empty());
         Outgoing {
             segments: VecDeque::new(),
             segments_len: 0,
@@ -118,7 +118,14 @@ impl Outgoing {
         debug_assert!(n <= self.len());
         while n > 0 {
             let Some(front) = self.segments.front_mut() else {
-                self.tail.advance(n);
+                if n == self.tail.len() {
+                    // All written: `clear` keeps the buffer's start (and so
+                    // its whole capacity) for the next frames; `advance`
+                    // would move it past the bytes written.
+                    self.tail.clear();
+                } else {
+                    self.tail.advance(n);
+                }
                 return;
             };
             let taken = n.min(front.len());
@@ -173,7 +180,13 @@ mod tests {
         out.advance(5);
         assert!(out.segments.is_empty());
         assert_eq!(&out.tail[..], b"hij");
+        let capacity = out.capacity();
         out.advance(3);
         assert!(out.is_empty());
+        assert_eq!(
+            out.capacity(),
+            capacity,
+            "a written tail keeps its capacity"
+        );
     }
 }
