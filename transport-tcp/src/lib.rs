@@ -31,7 +31,7 @@
 //!   finishes a frame the socket had no room for inline, before anything
 //!   queued behind it.
 //! - **Large payloads by reference.** A frame whose payload is at least
-//!   [`GATHER_THRESHOLD`](rpc_core::frame::GATHER_THRESHOLD) (32 KiB) is
+//!   [`GATHER_THRESHOLD`] (32 KiB) is
 //!   gathered ([`OutFrame::gather`]) instead of encoded: its head and small
 //!   fields are copied, but each large [`bytes::Bytes`] (a `Bytes`
 //!   payload, a prost `bytes` field) is held by reference and written from
