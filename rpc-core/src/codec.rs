@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use bytes::{BufMut, Bytes};
 
-use crate::frame::EncodePayload;
+use crate::frame::{EncodePayload, Gather};
 use crate::status::Status;
 
 /// Encodes one message type and decodes another.
@@ -25,6 +25,13 @@ pub trait Codec: Send + Sync + 'static {
     /// calls [`Codec::encode`].
     fn encode_to_slice(item: &Self::Encode, mut dst: &mut [u8]) {
         Self::encode(item, &mut dst);
+    }
+    /// As [`Codec::encode`], into a gather list: override it to hand large
+    /// [`Bytes`] fields to [`bytes::BufMut::put`] on the concrete
+    /// [`Gather`], which keeps them by reference instead of copying them.
+    /// By default it calls [`Codec::encode`] (everything is copied).
+    fn encode_gather(item: &Self::Encode, dst: &mut Gather) {
+        Self::encode(item, dst);
     }
     /// Decodes one message; fails with [`Status`] `Internal` on malformed input.
     fn decode(buf: Bytes) -> Result<Self::Decode, Status>;
@@ -56,6 +63,12 @@ where
         item.encode_raw(&mut dst);
     }
 
+    /// prost encodes a `bytes` field generated as [`Bytes`] with
+    /// `put(field.clone())`: large ones become segments by reference.
+    fn encode_gather(item: &E, dst: &mut Gather) {
+        item.encode_raw(dst);
+    }
+
     fn decode(buf: Bytes) -> Result<D, Status> {
         D::decode(buf).map_err(|e| {
             Status::internal(format!(
@@ -84,6 +97,10 @@ impl Codec for BytesCodec {
 
     fn encode_to_slice(item: &Bytes, dst: &mut [u8]) {
         dst.copy_from_slice(item);
+    }
+
+    fn encode_gather(item: &Bytes, dst: &mut Gather) {
+        dst.put(item.clone());
     }
 
     fn decode(buf: Bytes) -> Result<Bytes, Status> {
@@ -128,5 +145,182 @@ impl<C: Codec> EncodePayload for Encodable<'_, C> {
         } else {
             C::encode(self.item, dst);
         }
+    }
+
+    fn gather_payload(&self, dst: &mut Gather) {
+        if self.len <= STACKED_PAYLOAD {
+            self.encode_payload(dst);
+        } else {
+            C::encode_gather(self.item, dst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+    use crate::frame::{Frame, OutBody, OutFrame, GATHER_THRESHOLD};
+    use crate::metadata::MetadataMap;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Tensor {
+        #[prost(string, tag = "1")]
+        name: String,
+        #[prost(bytes = "bytes", tag = "2")]
+        data: Bytes,
+        #[prost(uint64, repeated, tag = "3")]
+        shape: Vec<u64>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Push {
+        #[prost(uint32, tag = "1")]
+        step: u32,
+        #[prost(message, repeated, tag = "2")]
+        tensors: Vec<Tensor>,
+        #[prost(bytes = "bytes", repeated, tag = "3")]
+        blobs: Vec<Bytes>,
+        #[prost(message, optional, tag = "4")]
+        first: Option<Tensor>,
+        #[prost(bytes = "vec", tag = "5")]
+        copied: Vec<u8>,
+    }
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<u8>>()
+            .into()
+    }
+
+    fn tensor(name: &str, len: usize, seed: u8) -> Tensor {
+        Tensor {
+            name: name.into(),
+            data: pattern(len, seed),
+            shape: vec![len as u64, 1, 7],
+        }
+    }
+
+    fn push() -> Push {
+        Push {
+            step: 9,
+            tensors: vec![
+                tensor("w0", 1 << 20, 1),
+                tensor("b0", 100, 2),
+                tensor("w1", GATHER_THRESHOLD, 3),
+                tensor("b1", GATHER_THRESHOLD - 1, 4),
+            ],
+            blobs: vec![pattern(70_000, 5), pattern(3, 6), pattern(200_000, 7)],
+            first: Some(tensor("nested", 500_000, 8)),
+            copied: pattern(100_000, 9).to_vec(),
+        }
+    }
+
+    /// Whether `field` is one of `gather`'s segments, by reference.
+    fn by_reference(gather: &Gather, field: &Bytes) -> bool {
+        gather
+            .segments()
+            .iter()
+            .any(|s| s.as_ptr() == field.as_ptr() && s.len() == field.len())
+    }
+
+    #[test]
+    fn prost_large_bytes_fields_are_gathered_by_reference() {
+        let message = push();
+        let mut gather = Gather::new();
+        ProstCodec::<Push, Push>::encode_gather(&message, &mut gather);
+        assert_eq!(gather.to_bytes(), message.encode_to_vec());
+        assert_eq!(gather.len(), message.encoded_len());
+        for large in [
+            &message.tensors[0].data,
+            &message.tensors[2].data,
+            &message.blobs[0],
+            &message.blobs[2],
+            &message.first.as_ref().unwrap().data,
+        ] {
+            assert!(by_reference(&gather, large), "{} bytes copied", large.len());
+        }
+        for small in [
+            &message.tensors[1].data,
+            &message.tensors[3].data,
+            &message.blobs[1],
+        ] {
+            assert!(!by_reference(&gather, small));
+        }
+        // The five large fields and the small bytes before each; then the
+        // `Vec<u8>` field's key and, copied (`put` of a slice), its bytes.
+        assert_eq!(gather.segments().len(), 12);
+        let last = &gather.segments()[11];
+        assert_eq!(last[..], message.copied[..]);
+        assert_ne!(last.as_ptr(), message.copied.as_ptr());
+        assert!(gather.tail().is_empty());
+    }
+
+    fn assert_frame_gathers_as_it_encodes(frame: &OutFrame<'_>) -> Gather {
+        let mut gather = Gather::new();
+        frame.gather(&mut gather);
+        assert_eq!(gather.to_bytes(), frame.to_bytes());
+        assert_eq!(gather.len(), frame.len());
+        gather
+    }
+
+    #[test]
+    fn frames_gather_the_bytes_they_encode() {
+        let message = push();
+        let payload = Encodable::<ProstCodec<Push, Push>>::new(&message, usize::MAX).unwrap();
+        let mut metadata = MetadataMap::new();
+        metadata.insert("k", "v");
+        let request = OutFrame::new(
+            3,
+            OutBody::Request {
+                method: "/ps.Ps/Push",
+                timeout: Some(std::time::Duration::from_millis(5)),
+                metadata: &metadata,
+            },
+            Some(&payload),
+            true,
+        )
+        .unwrap();
+        let gather = assert_frame_gathers_as_it_encodes(&request);
+        assert!(by_reference(&gather, &message.tensors[0].data));
+
+        let raw = pattern(3 << 20, 11);
+        let raw_payload = Encodable::<BytesCodec>::new(&raw, usize::MAX).unwrap();
+        let reply = OutFrame::control(3, OutBody::Message, false).with_payload(&raw_payload);
+        let gather = assert_frame_gathers_as_it_encodes(&reply);
+        assert!(by_reference(&gather, &raw));
+        let bare = OutFrame::control(3, OutBody::Message, false).with_payload(&raw);
+        assert!(by_reference(
+            &assert_frame_gathers_as_it_encodes(&bare),
+            &raw
+        ));
+
+        let small = Bytes::from_static(b"hi");
+        let small_payload = Encodable::<BytesCodec>::new(&small, usize::MAX).unwrap();
+        let tiny = OutFrame::control(4, OutBody::Message, true).with_payload(&small_payload);
+        assert!(assert_frame_gathers_as_it_encodes(&tiny)
+            .segments()
+            .is_empty());
+        assert_frame_gathers_as_it_encodes(&OutFrame::control(0, OutBody::Ping, false));
+    }
+
+    #[test]
+    fn decoding_a_received_frame_keeps_bytes_fields_in_it() {
+        let message = push();
+        let payload = Encodable::<ProstCodec<Push, Push>>::new(&message, usize::MAX).unwrap();
+        let frame = OutFrame::control(5, OutBody::Message, false).with_payload(&payload);
+        let mut gather = Gather::new();
+        frame.gather(&mut gather);
+        let received = gather.to_bytes(); // as a transport hands it up
+        let range = received.as_ptr_range();
+        let payload = Frame::decode(received.clone()).unwrap().payload.unwrap();
+        let decoded = ProstCodec::<Push, Push>::decode(payload).unwrap();
+        assert_eq!(decoded, message);
+        let data = &decoded.tensors[0].data;
+        assert!(range.contains(&data.as_ptr()), "the tensor was copied");
+        assert!(range.contains(&decoded.first.unwrap().data.as_ptr()));
+        assert!(range.contains(&decoded.blobs[2].as_ptr()));
     }
 }

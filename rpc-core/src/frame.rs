@@ -34,7 +34,10 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes};
 
 use crate::metadata::{is_valid_key, MetadataMap};
+
+mod gather;
 use crate::status::{Code, Status};
+pub use gather::{Gather, GATHER_THRESHOLD};
 
 /// The protocol version this build speaks. A frame with another version is refused.
 pub const PROTOCOL_VERSION: u8 = 1;
@@ -386,6 +389,13 @@ pub trait EncodePayload: Sync {
     fn payload_len(&self) -> usize;
     /// Writes exactly [`EncodePayload::payload_len`] bytes.
     fn encode_payload(&self, dst: &mut dyn BufMut);
+    /// Writes the same bytes as [`EncodePayload::encode_payload`] into a
+    /// gather list, handing large [`Bytes`] to [`BufMut::put`] on the
+    /// concrete [`Gather`] so that they are kept by reference. By default
+    /// it calls `encode_payload` (everything is copied).
+    fn gather_payload(&self, dst: &mut Gather) {
+        self.encode_payload(dst);
+    }
 }
 
 impl EncodePayload for Bytes {
@@ -394,6 +404,9 @@ impl EncodePayload for Bytes {
     }
     fn encode_payload(&self, dst: &mut dyn BufMut) {
         dst.put_slice(self);
+    }
+    fn gather_payload(&self, dst: &mut Gather) {
+        dst.put(self.clone());
     }
 }
 
@@ -511,6 +524,16 @@ impl<'a> OutFrame<'a> {
         }
         if let Some(payload) = self.payload {
             payload.encode_payload(dst);
+        }
+    }
+
+    /// Appends the same bytes as [`OutFrame::encode`] to `dst`: the head and
+    /// header fields copied, the payload's large [`Bytes`] by reference (see
+    /// [`EncodePayload::gather_payload`]).
+    pub fn gather(&self, dst: &mut Gather) {
+        self.encode_fields(dst);
+        if let Some(payload) = self.payload {
+            payload.gather_payload(dst);
         }
     }
 

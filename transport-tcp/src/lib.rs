@@ -30,6 +30,13 @@
 //!   queued with one `write`; frames sent meanwhile wait for the next. It also
 //!   finishes a frame the socket had no room for inline, before anything
 //!   queued behind it.
+//! - **Large payloads by reference.** A frame whose payload is at least
+//!   [`GATHER_THRESHOLD`] (32 KiB) is
+//!   gathered ([`OutFrame::gather`]) instead of encoded: its head and small
+//!   fields are copied, but each large [`bytes::Bytes`] (a `Bytes`
+//!   payload, a prost `bytes` field) is held by reference and written from
+//!   where it is with vectored writes, in order with the frames around it.
+//!   Over TLS the segments go to the session one after the other.
 //!
 //! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer
 //! and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
@@ -58,13 +65,14 @@
 //! instead of growing memory.
 
 mod budget;
+mod outgoing;
 #[doc(hidden)]
 pub mod reader;
 pub mod tls;
 
 use std::fs::File;
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::mem;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -74,13 +82,14 @@ use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use rpc_core::frame::OutFrame;
+use rpc_core::frame::{OutFrame, GATHER_THRESHOLD};
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
     TransportError,
 };
 
 use budget::ReadBudget;
+use outgoing::Outgoing;
 use reader::FrameReader;
 use tokio::io::AsyncRead;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -196,8 +205,8 @@ impl TcpTransport {
         let received = Arc::new(AtomicBool::new(true));
         let shared = Arc::new(SinkShared {
             state: Mutex::new(SinkState {
-                queued: BytesMut::new(),
-                unfinished: BytesMut::new(),
+                queued: Outgoing::default(),
+                unfinished: Outgoing::default(),
                 spare: BytesMut::new(),
                 writer: Writer::Idle,
                 closed: false,
@@ -439,6 +448,15 @@ pub(crate) trait WriteHalf: Send + Sync + 'static {
     /// took, or `WouldBlock` when it takes none.
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize>;
 
+    /// As [`WriteHalf::try_write`], from several buffers in order. By
+    /// default it writes the first non-empty one.
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match bufs.iter().find(|b| !b.is_empty()) {
+            Some(buf) => self.try_write(buf),
+            None => Ok(0),
+        }
+    }
+
     /// Sends, without waiting, what was taken but is still held back (TLS
     /// records the socket had no room for); true when nothing is left.
     /// Plain TCP holds nothing back: always true.
@@ -458,6 +476,10 @@ pub(crate) trait WriteHalf: Send + Sync + 'static {
 impl WriteHalf for OwnedWriteHalf {
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
         OwnedWriteHalf::try_write(self, bytes)
+    }
+
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        OwnedWriteHalf::try_write_vectored(self, bufs)
     }
 
     fn try_flush(&self) -> io::Result<bool> {
@@ -500,10 +522,10 @@ enum Writer {
 
 struct SinkState {
     /// Length-prefixed frames accepted and not yet taken by a writer.
-    queued: BytesMut,
+    queued: Outgoing,
     /// The rest of a frame an inline write could not finish (the socket was
     /// full): the writer task sends it before anything in `queued`.
-    unfinished: BytesMut,
+    unfinished: Outgoing,
     /// A cleared buffer that keeps its capacity, for the next inline write.
     spare: BytesMut,
     writer: Writer,
@@ -527,8 +549,8 @@ impl SinkState {
     /// Records a write error: every waiting and later sender fails with it.
     fn fail(&mut self, error: &io::Error) {
         self.failed = Some((error.kind(), error.to_string()));
-        self.queued = BytesMut::new();
-        self.unfinished = BytesMut::new();
+        self.queued = Outgoing::default();
+        self.unfinished = Outgoing::default();
         for waiter in self.waiters.drain(..) {
             waiter.wake();
         }
@@ -563,28 +585,50 @@ impl<W: WriteHalf> SinkShared<W> {
         let mut out = mem::take(&mut state.spare);
         drop(state);
         let encoding = ReleaseOnUnwind(self);
-        out.reserve(4 + frame.len());
-        out.put_u32_le(prefix);
-        frame.encode(&mut out);
+        // A small frame is encoded into `out` and written with one `write`;
+        // a large one is gathered, its large fields by reference.
+        let mut gathered = None;
+        if frame.payload_len() < GATHER_THRESHOLD {
+            out.reserve(4 + frame.len());
+            out.put_u32_le(prefix);
+            frame.encode(&mut out);
+        } else {
+            let mut large = Outgoing::with_tail(mem::take(&mut out));
+            large.push_frame(frame, prefix);
+            gathered = Some(large);
+        }
         mem::forget(encoding);
-        let written = try_write_all(&self.socket, &out)
-            .and_then(|n| Ok((n, n == out.len() && self.socket.try_flush()?)));
-        let all_out = matches!(written, Ok((_, true)));
+        let written = match &mut gathered {
+            None => try_write_all(&self.socket, &out).and_then(|n| {
+                if n == out.len() {
+                    out.clear(); // keeps the buffer's whole capacity
+                    self.socket.try_flush()
+                } else {
+                    out.advance(n);
+                    Ok(false)
+                }
+            }),
+            Some(large) => large
+                .try_write(&self.socket)
+                .and_then(|()| Ok(large.is_empty() && self.socket.try_flush()?)),
+        };
+        let all_out = matches!(written, Ok(true));
         let mut state = self.lock();
         match written {
-            Ok((_, true)) => {
-                out.clear();
+            Ok(true) => {
+                if let Some(large) = gathered {
+                    out = large.into_tail();
+                }
                 if out.capacity() <= self.max_kept_capacity() {
                     state.spare = out;
                 }
             }
-            Ok((n, false)) => {
+            Ok(false) => {
                 // The socket is full: the writer task finishes this frame
                 // (before anything queued meanwhile) once it has room; over
                 // TLS, the rest may be records held back (`unfinished` is
                 // then empty and the task flushes them).
-                out.advance(n);
-                state.unfinished = out;
+                state.unfinished = gathered.unwrap_or_else(|| Outgoing::with_tail(out));
             }
             Err(error) => {
                 state.fail(&error);
@@ -601,21 +645,6 @@ impl<W: WriteHalf> SinkShared<W> {
     }
 }
 
-/// Gives the socket up if encoding an inline frame panics (a payload's
-/// `encode_payload` is user code), before any of it was written.
-struct ReleaseOnUnwind<'a, W: WriteHalf>(&'a SinkShared<W>);
-
-impl<W: WriteHalf> Drop for ReleaseOnUnwind<'_, W> {
-    fn drop(&mut self) {
-        let mut state = self.0.lock();
-        if state.queued.is_empty() && !state.closed {
-            state.writer = Writer::Idle;
-        } else {
-            state.hand_to_task(&self.0.wake_writer);
-        }
-    }
-}
-
 /// Writes as much of `bytes` as the socket takes without waiting.
 fn try_write_all<W: WriteHalf>(socket: &W, bytes: &[u8]) -> io::Result<usize> {
     let mut written = 0;
@@ -629,6 +658,21 @@ fn try_write_all<W: WriteHalf>(socket: &W, bytes: &[u8]) -> io::Result<usize> {
         }
     }
     Ok(written)
+}
+
+/// Gives the socket up if encoding an inline frame panics (a payload's
+/// `encode_payload` is user code), before any of it was written.
+struct ReleaseOnUnwind<'a, W: WriteHalf>(&'a SinkShared<W>);
+
+impl<W: WriteHalf> Drop for ReleaseOnUnwind<'_, W> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        if state.queued.is_empty() && !state.closed {
+            state.writer = Writer::Idle;
+        } else {
+            state.hand_to_task(&self.0.wake_writer);
+        }
+    }
 }
 
 struct TcpSink<W: WriteHalf> {
@@ -672,9 +716,7 @@ impl<W: WriteHalf> FrameSink for TcpSink<W> {
         }
         // Someone is writing: queue, and the next write takes this frame
         // along with every other queued by then.
-        state.queued.reserve(4 + len);
-        state.queued.put_u32_le(prefix);
-        frame.encode(&mut state.queued);
+        state.queued.push_frame(frame, prefix);
         Poll::Ready(Ok(()))
     }
 
@@ -705,7 +747,7 @@ impl<W: WriteHalf> Drop for TcpSink<W> {
 /// with the sender that woke it queue their frames first and leave in the
 /// same `write`.
 async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
-    let mut batch = BytesMut::new();
+    let mut batch = Outgoing::default();
     loop {
         // Wait until an inline sender or `close` hands the socket over.
         loop {
@@ -755,7 +797,7 @@ async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
                 if closed {
                     // Every accepted frame is out: the peer sees end-of-stream.
                     shared.socket.start_close();
-                    if write_all(&shared.socket, &[]).await.is_ok() {
+                    if write_all(&shared.socket, &mut batch).await.is_ok() {
                         shared.socket.shutdown_write();
                     }
                     return;
@@ -764,25 +806,24 @@ async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
                     break;
                 }
             }
-            if let Err(error) = write_all(&shared.socket, &batch).await {
+            if let Err(error) = write_all(&shared.socket, &mut batch).await {
                 shared.lock().fail(&error);
                 return;
             }
             batch.clear();
             if batch.capacity() > shared.max_kept_capacity() {
-                batch = BytesMut::new(); // after a huge frame, do not keep its buffer forever
+                batch = Outgoing::default(); // after a huge frame, do not keep its buffer forever
             }
         }
     }
 }
 
-/// Writes all of `bytes` and flushes what the stream held back, waiting
+/// Writes all of `out` and flushes what the stream held back, waiting
 /// for room in the socket as needed.
-async fn write_all<W: WriteHalf>(socket: &W, mut bytes: &[u8]) -> io::Result<()> {
+async fn write_all<W: WriteHalf>(socket: &W, out: &mut Outgoing) -> io::Result<()> {
     loop {
-        let n = try_write_all(socket, bytes)?;
-        bytes = &bytes[n..];
-        if bytes.is_empty() && socket.try_flush()? {
+        out.try_write(socket)?;
+        if out.is_empty() && socket.try_flush()? {
             return Ok(());
         }
         socket.writable().await?;

@@ -112,6 +112,77 @@ async fn concurrent_senders_frames_arrive_whole_and_in_order() {
     }
 }
 
+/// Mostly large frames (their payloads written by reference, vectored)
+/// between small ones.
+fn mixed_size_of(sender: u32, seq: u32) -> usize {
+    match (seq + sender) % 3 {
+        0 => (1 << 20) + (seq as usize * 4099) % (1 << 20),
+        1 => 8 + (seq as usize * 37) % 3000,
+        _ => 32 * 1024 + seq as usize,
+    }
+}
+
+/// Reads one frame the slow way: small reads, with a pause now and then,
+/// so that the sender's socket stays full.
+async fn read_frame_slowly(socket: &mut TcpStream) -> Option<Frame> {
+    let mut len = [0u8; 4];
+    socket.read_exact(&mut len).await.ok()?;
+    let mut frame = vec![0u8; u32::from_le_bytes(len) as usize];
+    for (i, chunk) in frame.chunks_mut(8 << 10).enumerate() {
+        socket
+            .read_exact(chunk)
+            .await
+            .expect("a frame is never cut short");
+        if i % 32 == 31 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    Some(Frame::decode(frame.into()).expect("frames arrive whole, never interleaved"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_frames_between_small_ones_arrive_whole_and_in_order_to_a_slow_peer() {
+    const SENDERS: u32 = 4;
+    const EACH: u32 = 12;
+    let (connection, mut peer) = connect(TcpTransport::default().write_high_water(64 << 10)).await;
+    let sink = Arc::clone(&connection.sink);
+    let mut senders = Vec::new();
+    for sender in 0..SENDERS {
+        let sink = Arc::clone(&sink);
+        senders.push(tokio::spawn(async move {
+            for seq in 0..EACH {
+                let message = payload(sender, seq, mixed_size_of(sender, seq));
+                send(&*sink, sender, &message).await.unwrap();
+            }
+        }));
+    }
+    let mut next = [0u32; SENDERS as usize];
+    for _ in 0..SENDERS * EACH {
+        let frame = tokio::time::timeout(Duration::from_secs(30), read_frame_slowly(&mut peer))
+            .await
+            .expect("no stall")
+            .expect("no early end-of-stream");
+        let sender = frame.call_id as u32;
+        let seq = next[sender as usize];
+        check(&frame, sender, seq, mixed_size_of(sender, seq));
+        next[sender as usize] += 1;
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    // Every frame accepted before close is sent, then end-of-stream.
+    let last = payload(0, EACH, 3 << 20);
+    send(&*sink, 0, &last).await.unwrap();
+    connection.sink.close();
+    check(
+        &read_frame_slowly(&mut peer).await.unwrap(),
+        0,
+        EACH,
+        3 << 20,
+    );
+    assert!(read_frame(&mut peer).await.is_none());
+}
+
 #[tokio::test]
 async fn frame_the_socket_cut_short_is_finished_before_queued_frames() {
     let (connection, mut peer) = connect(TcpTransport::default()).await;

@@ -1,0 +1,192 @@
+//! [`Outgoing`]: bytes accepted for the socket and not yet written, as a
+//! gather list: large payloads by reference, everything else copied.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::mem;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
+
+use crate::WriteHalf;
+
+/// Most `iovec`s handed to one vectored write (Linux takes up to 1024).
+const MAX_SLICES: usize = 64;
+
+/// Length-prefixed frames in the order they were accepted: `segments`
+/// (large payload fields by reference, and the small bytes written before
+/// each), then `tail`. A frame whose payload is under
+/// [`GATHER_THRESHOLD`] is encoded into `tail`, copied, as before; a larger
+/// one is gathered ([`OutFrame::gather`]), so its large [`Bytes`] fields
+/// are written from where they are, with vectored writes.
+#[derive(Debug, Default)]
+pub(crate) struct Outgoing {
+    segments: VecDeque<Bytes>,
+    /// Total length of `segments`.
+    segments_len: usize,
+    tail: BytesMut,
+}
+
+impl Outgoing {
+    /// `tail`'s bytes, then what is pushed; small frames are encoded into
+    /// its capacity.
+    pub(crate) fn with_tail(tail: BytesMut) -> Outgoing {
+        Outgoing {
+            segments: VecDeque::new(),
+            segments_len: 0,
+            tail,
+        }
+    }
+
+    /// Bytes not yet written.
+    pub(crate) fn len(&self) -> usize {
+        self.segments_len + self.tail.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets everything, keeping the tail's capacity.
+    pub(crate) fn clear(&mut self) {
+        self.segments.clear();
+        self.segments_len = 0;
+        self.tail.clear();
+    }
+
+    /// The tail's allocated capacity (the segments are not ours).
+    pub(crate) fn capacity(&self) -> usize {
+        self.tail.capacity()
+    }
+
+    /// The emptied tail, to keep its capacity for later frames.
+    pub(crate) fn into_tail(mut self) -> BytesMut {
+        self.tail.clear();
+        self.tail
+    }
+
+    /// Appends `frame`, after its 4-byte length `prefix`.
+    pub(crate) fn push_frame(&mut self, frame: &OutFrame<'_>, prefix: u32) {
+        if frame.payload_len() < GATHER_THRESHOLD {
+            self.tail.reserve(4 + frame.len());
+            self.tail.put_u32_le(prefix);
+            frame.encode(&mut self.tail);
+            return;
+        }
+        let mut gather = Gather::with_tail(mem::take(&mut self.tail));
+        gather.put_u32_le(prefix);
+        frame.gather(&mut gather);
+        let (segments, tail) = gather.into_parts();
+        for segment in segments {
+            self.segments_len += segment.len();
+            self.segments.push_back(segment);
+        }
+        self.tail = tail;
+    }
+
+    /// Writes as much as the socket takes without waiting, and forgets it.
+    pub(crate) fn try_write<W: WriteHalf>(&mut self, socket: &W) -> io::Result<()> {
+        while !self.is_empty() {
+            let written = if self.segments.is_empty() {
+                socket.try_write(&self.tail)
+            } else {
+                let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+                let mut count = 0;
+                for segment in self.segments.iter().take(MAX_SLICES) {
+                    slices[count] = IoSlice::new(segment);
+                    count += 1;
+                }
+                if count < MAX_SLICES && !self.tail.is_empty() {
+                    slices[count] = IoSlice::new(&self.tail);
+                    count += 1;
+                }
+                socket.try_write_vectored(&slices[..count])
+            };
+            match written {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the first `n` bytes (written), dropping written segments.
+    fn advance(&mut self, mut n: usize) {
+        debug_assert!(n <= self.len());
+        while n > 0 {
+            let Some(front) = self.segments.front_mut() else {
+                if n == self.tail.len() {
+                    // All written: `clear` keeps the buffer's start (and so
+                    // its whole capacity) for the next frames; `advance`
+                    // would move it past the bytes written.
+                    self.tail.clear();
+                } else {
+                    self.tail.advance(n);
+                }
+                return;
+            };
+            let taken = n.min(front.len());
+            front.advance(taken);
+            self.segments_len -= taken;
+            n -= taken;
+            if front.is_empty() {
+                self.segments.pop_front();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_payloads_are_queued_by_reference_small_ones_copied() {
+        use rpc_core::frame::OutBody;
+        let large = Bytes::from(vec![5u8; GATHER_THRESHOLD]);
+        let small = Bytes::from(vec![6u8; GATHER_THRESHOLD - 1]);
+        let mut out = Outgoing::default();
+        let frame = |payload| OutFrame::control(1, OutBody::Message, false).with_payload(payload);
+        out.push_frame(&frame(&small), 7);
+        assert!(out.segments.is_empty());
+        out.push_frame(&frame(&large), 8);
+        out.push_frame(&frame(&small), 9);
+        assert_eq!(out.segments.len(), 2);
+        assert_eq!(out.segments[1].as_ptr(), large.as_ptr());
+        let mut expected = BytesMut::new();
+        for (payload, prefix) in [(&small, 7u32), (&large, 8), (&small, 9)] {
+            expected.put_u32_le(prefix);
+            expected.extend_from_slice(&frame(payload).to_bytes());
+        }
+        let mut all = BytesMut::new();
+        out.segments.iter().for_each(|s| all.extend_from_slice(s));
+        all.extend_from_slice(&out.tail);
+        assert_eq!(all, expected);
+        assert_eq!(out.len(), expected.len());
+    }
+
+    #[test]
+    fn advances_across_segments_and_tail() {
+        let mut out = Outgoing::default();
+        out.segments.push_back(Bytes::from_static(b"abc"));
+        out.segments.push_back(Bytes::from_static(b"defg"));
+        out.segments_len = 7;
+        out.tail.extend_from_slice(b"hij");
+        out.advance(2);
+        assert_eq!(out.len(), 8);
+        out.advance(5);
+        assert!(out.segments.is_empty());
+        assert_eq!(&out.tail[..], b"hij");
+        let capacity = out.capacity();
+        out.advance(3);
+        assert!(out.is_empty());
+        assert_eq!(
+            out.capacity(),
+            capacity,
+            "a written tail keeps its capacity"
+        );
+    }
+}
