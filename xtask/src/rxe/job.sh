@@ -18,8 +18,10 @@ fi
 ip link set "$RDMA_TEST_NETDEV" mtu "$RXE_MTU" || setup_failed "ip link set $RDMA_TEST_NETDEV mtu $RXE_MTU"
 ip addr add "$RDMA_TEST_IP/24" dev "$RDMA_TEST_NETDEV" || setup_failed "ip addr add $RDMA_TEST_IP/24 dev $RDMA_TEST_NETDEV"
 # The same host over IPv6 (fd77::1 for 10.77.0.1), for the IPv6 tests,
-# without duplicate-address detection so that it is usable at once. Not
-# fatal: a test that needs it fails, saying it is missing.
+# without duplicate-address detection so that it is usable at once, and
+# kept while tests take the link down and up (Linux drops IPv6 addresses on
+# down otherwise). Not fatal: a test that needs it fails, saying it is missing.
+echo 1 > "/proc/sys/net/ipv6/conf/$RDMA_TEST_NETDEV/keep_addr_on_down" 2>/dev/null
 if ip -6 addr add "fd77::${RDMA_TEST_IP##*.}/64" dev "$RDMA_TEST_NETDEV" nodad; then
     export RDMA_TEST_IP6="fd77::${RDMA_TEST_IP##*.}"
 else
