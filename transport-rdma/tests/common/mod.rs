@@ -178,15 +178,19 @@ pub fn raise_fd_limit(want: u64) -> u64 {
 
 /// `MemAvailable` of the machine (`/proc/meminfo`), bytes.
 pub fn mem_available() -> u64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("read /proc/meminfo");
-    let line = meminfo
+    proc_kib("/proc/meminfo", "MemAvailable:") * 1024
+}
+
+/// The value of the `field:` line (in kB) of a `/proc` file such as
+/// `/proc/meminfo` or `/proc/self/status`, in KiB.
+pub fn proc_kib(file: &str, field: &str) -> u64 {
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    let line = text
         .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .expect("/proc/meminfo has MemAvailable");
-    let kib: u64 = line
-        .split_whitespace()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("{file} has no {field}"));
+    line.split_whitespace()
         .nth(1)
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("unreadable {line:?}"));
-    kib * 1024
+        .unwrap_or_else(|| panic!("unreadable {line:?}"))
 }
