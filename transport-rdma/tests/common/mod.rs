@@ -124,3 +124,73 @@ pub fn pinned_bytes() -> u64 {
         .unwrap_or_else(|| panic!("unreadable {line:?}"));
     kib * 1024
 }
+
+/// Bytes one connection end registers when both sides use a ring of
+/// `ring_slots` x `slot_size` and a region of `region_len`: the receive
+/// ring, send slots for the peer's ring plus 8 control and chunk slots,
+/// the region and a staging region as large as the peer's, each rounded
+/// up to whole pages (what registration pins; see
+/// `transport_rdma::verbs::registered_bytes`).
+pub fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
+    let pages = |bytes: u64| bytes.div_ceil(4096) * 4096;
+    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
+}
+
+/// File descriptors open in this process now.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("read /proc/self/fd")
+        .count()
+}
+
+/// Raises this process's open-file limit to at least `want` descriptors
+/// (the soft limit up to the hard one; the hard one too where allowed, as
+/// for root in the test guest); returns the soft limit now in force.
+pub fn raise_fd_limit(want: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for the call to fill.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    assert_eq!(rc, 0, "getrlimit: {}", std::io::Error::last_os_error());
+    if lim.rlim_cur >= want {
+        return lim.rlim_cur;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: want,
+        rlim_max: lim.rlim_max.max(want),
+    };
+    // SAFETY: `raised` is a valid rlimit; the call only reads it.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+        return want;
+    }
+    // Not allowed to raise the hard limit: take what it allows.
+    let soft = libc::rlimit {
+        rlim_cur: lim.rlim_max,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: as above.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &soft) };
+    assert_eq!(rc, 0, "setrlimit: {}", std::io::Error::last_os_error());
+    lim.rlim_max
+}
+
+/// `MemAvailable` of the machine (`/proc/meminfo`), bytes.
+pub fn mem_available() -> u64 {
+    proc_kib("/proc/meminfo", "MemAvailable:") * 1024
+}
+
+/// The value of the `field:` line (in kB) of a `/proc` file such as
+/// `/proc/meminfo` or `/proc/self/status`, in KiB.
+pub fn proc_kib(file: &str, field: &str) -> u64 {
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("{file} has no {field}"));
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable {line:?}"))
+}
