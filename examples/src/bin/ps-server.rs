@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use examples::ps::parameter_server_server::{ParameterServer, ParameterServerServer};
 use examples::ps::{Key, PullRequest, PushReply, PushRequest, Tensor};
-use prost::bytes::Bytes;
+use prost::bytes::{Bytes, BytesMut};
 use rpc_core::{Request, Response, Status};
 
 const USAGE: &str = "usage: ps-server --addr scheme://host:port --shard I --shards N";
@@ -24,8 +24,10 @@ const USAGE: &str = "usage: ps-server --addr scheme://host:port --shard I --shar
 /// A tensor of this shard: its values and how many pushes were summed into it.
 struct Stored {
     name: String,
-    /// Little-endian f32s, as they go on the wire: a pull copies them once.
-    data: Vec<u8>,
+    /// Little-endian f32s, as they go on the wire. A pull hands out a
+    /// reference (no copy: over tcp:// it is written from here); a push
+    /// sums in place when no pull still holds the bytes, else into a copy.
+    data: Bytes,
     pushes: u64,
 }
 
@@ -69,7 +71,7 @@ impl ParameterServer for Shard {
                 .or_insert_with(|| {
                     Arc::new(Mutex::new(Stored {
                         name: key.name.clone(),
-                        data: vec![0; gradient.len()],
+                        data: Bytes::from(vec![0; gradient.len()]),
                         pushes: 0,
                     }))
                 }),
@@ -84,15 +86,15 @@ impl ParameterServer for Shard {
                 gradient.len() / 4
             )));
         }
-        for (value, add) in stored
-            .data
-            .chunks_exact_mut(4)
-            .zip(gradient.chunks_exact(4))
-        {
+        let mut data = std::mem::take(&mut stored.data)
+            .try_into_mut()
+            .unwrap_or_else(|held| BytesMut::from(&held[..]));
+        for (value, add) in data.chunks_exact_mut(4).zip(gradient.chunks_exact(4)) {
             let sum = f32::from_le_bytes(value.try_into().expect("4 bytes"))
                 + f32::from_le_bytes(add.try_into().expect("4 bytes"));
             value.copy_from_slice(&sum.to_le_bytes());
         }
+        stored.data = data.freeze();
         stored.pushes += 1;
         Ok(Response::new(PushReply {
             pushes: stored.pushes,
@@ -119,7 +121,7 @@ impl ParameterServer for Shard {
                 index: key.index,
                 name: stored.name.clone(),
             }),
-            data: Bytes::copy_from_slice(&stored.data),
+            data: stored.data.clone(),
             pushes: stored.pushes,
         }))
     }
