@@ -477,6 +477,26 @@ impl RdmaTransport {
         self
     }
 
+    /// Whether this side reads its peers' rendezvous transfers (into a
+    /// pool it counts in its pinned budget): when it sends by rendezvous
+    /// itself.
+    pub(crate) fn reads_rendezvous(&self) -> bool {
+        self.rendezvous_threshold.is_some()
+    }
+
+    /// This side's hello: its geometry, and the region the peer writes
+    /// (zero address and rkey in a request meant to be refused).
+    pub(crate) fn hello(&self, region_addr: u64, region_rkey: u32) -> Hello {
+        Hello {
+            ring_slots: self.ring_slots,
+            slot_size: self.slot_size,
+            region_addr,
+            region_rkey,
+            region_len: self.region_len,
+            reads_rendezvous: self.reads_rendezvous(),
+        }
+    }
+
     /// A connection's rendezvous settings, from the hellos: frames go by
     /// rendezvous only to a peer that reads them, and announcements are
     /// taken (into a pool this side counted in its pinned budget) only when

@@ -104,14 +104,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         Access::LOCAL_WRITE | Access::REMOTE_WRITE,
     )?;
     let remote = region.remote();
-    let own = Hello {
-        ring_slots: cfg.ring_slots,
-        slot_size: cfg.slot_size,
-        region_addr: remote.addr,
-        region_rkey: remote.rkey,
-        region_len: cfg.region_len,
-        reads_rendezvous: cfg.rendezvous_threshold.is_some(),
-    };
+    let own = cfg.hello(remote.addr, remote.rkey);
     // Receives are posted only once the QP and the ring are in one `Wired`:
     // if a post fails, dropping `half` destroys the QP before the ring.
     let mut half = Half {
@@ -145,7 +138,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
     let send = u64::from(peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
-    let pool = if cfg.rendezvous_threshold.is_some() {
+    let pool = if cfg.reads_rendezvous() {
         cfg.rendezvous_pool
     } else {
         0
@@ -277,15 +270,7 @@ async fn fetch_challenge(
 ) -> Result<Challenge, TransportError> {
     let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let hello = Hello {
-        ring_slots: cfg.ring_slots,
-        slot_size: cfg.slot_size,
-        region_addr: 0,
-        region_rkey: 0,
-        region_len: cfg.region_len,
-        reads_rendezvous: cfg.rendezvous_threshold.is_some(),
-    };
-    id.start_connect_naming_qp(&hello.to_bytes(), qp_num)
+    id.start_connect_naming_qp(&cfg.hello(0, 0).to_bytes(), qp_num)
         .map_err(e)?;
     match events.next().await.and_then(Event::connect_reply) {
         Err(crate::verbs::Error::Rejected {

@@ -620,14 +620,7 @@ impl CmId {
     /// event is read (librdmacm answers the server's reply then), so an id
     /// whose events nobody reads leaves the server waiting.
     pub fn start_connect(&mut self, private_data: &[u8]) -> Result<()> {
-        let mut param = conn_param(private_data)?;
-        // SAFETY: the id is live with a resolved route; `param` and the
-        // private data it points to outlive the call, which copies them.
-        if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } == 0 {
-            Ok(())
-        } else {
-            Err(Error::Connect(last_os_error()))
-        }
+        self.connect_with(conn_param(private_data)?)
     }
 
     /// [`start_connect`](Self::start_connect) for an id with no queue pair
@@ -641,8 +634,15 @@ impl CmId {
     pub fn start_connect_naming_qp(&mut self, private_data: &[u8], qp_num: u32) -> Result<()> {
         let mut param = conn_param(private_data)?;
         param.qp_num = qp_num;
-        // SAFETY: as in `start_connect`; librdmacm uses `qp_num` only
-        // because the id has no queue pair.
+        self.connect_with(param)
+    }
+
+    /// `rdma_connect` with `param`, whose private data the caller keeps
+    /// alive until this returns.
+    fn connect_with(&mut self, mut param: ffi::rdma_conn_param) -> Result<()> {
+        // SAFETY: the id is live with a resolved route; `param` and the
+        // private data it points to outlive the call, which copies them
+        // (librdmacm uses `param.qp_num` only if the id has no queue pair).
         if unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } == 0 {
             Ok(())
         } else {
