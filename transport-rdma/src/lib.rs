@@ -179,6 +179,7 @@ pub mod proto;
 mod registry;
 mod stats;
 pub mod stream;
+mod teardown;
 pub mod verbs;
 
 pub use admission::IpPrefix;

@@ -15,6 +15,7 @@ use super::setup::Established;
 use super::state::Shared;
 use crate::device_events;
 use crate::registry;
+use crate::teardown;
 use crate::verbs::{CmId, CompletionChannel};
 use crate::RdmaTransport;
 
@@ -268,4 +269,10 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     if let Some(w) = st.recv_waker.take() {
         w.wake();
     }
+    drop(st);
+    // The cm_id and the completion channel, out of tokio's reactor here,
+    // go to the teardown thread too (destroyed there once the connection's
+    // other objects, which hold them, are).
+    let Driver { cq_fd, cm_fd, .. } = d;
+    teardown::drop_later((shared, cm_fd.into_inner(), cq_fd.into_inner()));
 }

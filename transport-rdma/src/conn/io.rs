@@ -11,7 +11,7 @@ use bytes::{BufMut, Bytes};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
-use super::state::{connection_error, refusal_error, PoolBuffer, Shared, State};
+use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
 use crate::proto::{
     Announcement, Delivered, EncodeInto, Reservation, SendDecision, ANNOUNCE_BODY_LEN,
     ANNOUNCE_PREFIX_LEN, HEADER_LEN,
@@ -337,7 +337,7 @@ pub(crate) struct RdmaSource {
 impl FrameSource for RdmaSource {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
         let shared = &self.shared;
-        let mem = &shared.mem;
+        let mem: &Buffers = &shared.mem;
         let mut st = shared.lock();
         let result = loop {
             let Some(delivered) = st.proto.poll_delivery(mem) else {

@@ -32,6 +32,7 @@ use crate::admission::Lease;
 use crate::proto::auth::{self, Challenge, Proven};
 use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
 use crate::registry::Placement;
+use crate::teardown::DropLater;
 use crate::verbs::{
     Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
     QpCapabilities, QueuePair, RemoteRegion,
@@ -422,8 +423,8 @@ impl Established {
             destinations: HashMap::new(),
         };
         let shared = Arc::new(Shared {
-            state: Mutex::new(state),
-            mem: Buffers {
+            state: DropLater::new(Mutex::new(state)),
+            mem: DropLater::new(Buffers {
                 recv,
                 region,
                 send,
@@ -437,13 +438,13 @@ impl Established {
                     rkey: peer.region_rkey,
                     len: peer.region_len.into(),
                 },
-            },
-            cq,
+            }),
+            cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
             peer: peer_addr,
-            _lease: lease,
+            _lease: DropLater::new(lease),
         });
         (shared, id, cc)
     }

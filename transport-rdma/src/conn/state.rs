@@ -15,6 +15,7 @@ use crate::proto::{
     self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN, PEEK_LEN,
 };
 use crate::registry::LiveConnection;
+use crate::teardown::DropLater;
 use crate::verbs::{
     Access, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion,
     WorkCompletion,
@@ -124,11 +125,14 @@ pub(crate) fn pool_contains(ptr: *const u8) -> bool {
         .any(|&(start, end)| (start..end).contains(&p))
 }
 
+/// What the connection's halves, its driver and the frames it handed up
+/// share. Its verbs objects are destroyed on the teardown thread
+/// ([`DropLater`]), in the order of the fields, whoever drops it last.
 pub(super) struct Shared {
     // Declared before `cq` and `mem`: the QP inside is destroyed first.
-    pub(super) state: Mutex<State>,
-    pub(super) cq: CompletionQueue,
-    pub(super) mem: Buffers,
+    pub(super) state: DropLater<Mutex<State>>,
+    pub(super) cq: DropLater<CompletionQueue>,
+    pub(super) mem: DropLater<Buffers>,
     pub(super) released: Mutex<Vec<u32>>,
     /// Lengths of rendezvous frames the application dropped.
     pub(super) pool_released: Mutex<Vec<usize>>,
@@ -136,7 +140,7 @@ pub(super) struct Shared {
     pub(super) peer: String,
     /// A server's connection gives its admission back once its memory
     /// (above) is freed.
-    pub(super) _lease: Option<crate::admission::Lease>,
+    pub(super) _lease: DropLater<Option<crate::admission::Lease>>,
 }
 
 impl Shared {
