@@ -42,8 +42,10 @@
 //! and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
 //! up to [`reader::COPY_UP_TO`] bytes, as a copy (cheaper for small frames
 //! than sharing the buffer). The buffer grows with the bytes that arrived, never
-//! with the length a peer announces; frames over 64 KiB claim a share of
-//! the transport's [read budget](TcpTransport::read_budget) first.
+//! with the length a peer announces; a frame over 64 KiB claims its length
+//! from the transport's [read budget](TcpTransport::read_budget) first,
+//! and then the buffer makes room for all of it at once, so the rest of
+//! it is read in place (no copy each time the buffer would have doubled).
 //!
 //! # Listening
 //! A connection reset by its client before it was accepted is dropped
@@ -110,8 +112,8 @@ pub struct TcpTransport {
     read_budget: Arc<ReadBudget>,
 }
 
-/// The default of [`TcpTransport::read_budget`]: 1 GiB.
-pub const DEFAULT_READ_BUDGET: usize = 1 << 30;
+/// The default of [`TcpTransport::read_budget`]: 256 MiB.
+pub const DEFAULT_READ_BUDGET: usize = 256 << 20;
 
 impl Default for TcpTransport {
     fn default() -> TcpTransport {
@@ -157,17 +159,18 @@ impl TcpTransport {
 
     /// Bytes that frames larger than 64 KiB may claim while they arrive,
     /// across all of this transport's connections (default
-    /// [`DEFAULT_READ_BUDGET`], 1 GiB).
+    /// [`DEFAULT_READ_BUDGET`], 256 MiB: four 64 MiB frames at once).
     ///
     /// A connection claims a large frame's announced length before reading
-    /// more than its first 64 KiB, and gives it back when the frame is
-    /// handed up; while the budget is claimed, such frames wait (their
-    /// peers' TCP windows fill), and frames up to 64 KiB never wait. A frame
-    /// larger than the whole budget still goes when no other claim is held.
-    /// Memory for frames being received thus stays under about
-    /// `2 × budget + connections × 384 KiB`, whatever lengths peers
-    /// announce: buffers grow with the bytes that arrived (at most doubling
-    /// per read), never with an announced length. A peer that announces a
+    /// more than its first 64 KiB, makes room for all of it (so the rest is
+    /// read in place, with no copy), and gives the claim back when the
+    /// frame is handed up; while the budget is claimed, such frames wait
+    /// (their peers' TCP windows fill), and frames up to 64 KiB never wait.
+    /// A frame larger than the whole budget still goes when no other claim
+    /// is held. Memory for frames being received thus stays under about
+    /// `budget + connections × 384 KiB` of address space, whatever lengths
+    /// peers announce (the claimed frames' pages are touched only as their
+    /// bytes arrive). A peer that announces a
     /// large frame and stops sending holds its claim until the connection
     /// ends (rpc-core's keepalive closes a connection that completes no
     /// frame for its interval + timeout, 40 s by default).
@@ -871,12 +874,14 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
                 if let Some(len) = self.reader.large_partial_frame() {
                     ready!(self.budget.poll_claim(cx, len));
                     self.claimed = len;
+                    self.reader.reserve_frame();
                 }
             }
+            let limit = self.reader.read_limit();
             let read = match ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.socket),
                 cx,
-                self.reader.read_buf()
+                &mut self.reader.read_buf().limit(limit)
             )) {
                 Ok(read) => read,
                 // TLS: the peer's socket closed without a `close_notify`

@@ -8,7 +8,9 @@
 //! the bytes that arrived, never the length a peer announced**: each read
 //! asks for at most as many bytes again as have arrived, so a partial
 //! frame's buffer grows geometrically with real bytes (capacity ≤ 4 × bytes
-//! received + 2 × [`READ_CHUNK`], and ≤ 2 × the frame's length).
+//! received + 2 × [`READ_CHUNK`], and ≤ 2 × the frame's length) — unless
+//! the caller, having claimed a large frame's length from a budget of its
+//! own, has room made for all of it ([`FrameReader::reserve_frame`]).
 //!
 //! ```
 //! use rpc_core::transport::FrameLimits;
@@ -54,6 +56,8 @@ pub struct FrameReader {
     limits: FrameLimits,
     /// Bytes of an oversized frame still to drop.
     skip: usize,
+    /// The last frame handed up was larger than [`READ_CHUNK`].
+    after_large: bool,
 }
 
 impl FrameReader {
@@ -63,6 +67,7 @@ impl FrameReader {
             buf: BytesMut::new(),
             limits,
             skip: 0,
+            after_large: false,
         }
     }
 
@@ -101,6 +106,7 @@ impl FrameReader {
             return Ok(None);
         }
         self.buf.advance(PREFIX_LEN);
+        self.after_large = len > READ_CHUNK;
         if len <= COPY_UP_TO {
             // Copied: the buffer stays unshared, so the next read reuses it.
             let frame = Bytes::copy_from_slice(&self.buf[..len]);
@@ -129,15 +135,54 @@ impl FrameReader {
         (len > READ_CHUNK && len <= self.limits.max_frame_len && incomplete).then_some(len)
     }
 
-    /// How many bytes the next read should ask for: [`READ_CHUNK`], or for a
-    /// large partial frame what it still lacks, but at most as much again as
-    /// has arrived (so the buffer grows geometrically with real bytes).
+    /// Makes room for the whole of the large partial frame at the front
+    /// ([`large_partial_frame`](Self::large_partial_frame)), once the
+    /// caller has claimed its length from a budget: the rest of it is then
+    /// read in place, with one copy of what arrived before (about a
+    /// [`READ_CHUNK`]) instead of a copy of everything so far each time
+    /// the buffer doubles (as much again as the frame, in all). This
+    /// reserves address space for the announced length; its pages are
+    /// touched only as bytes arrive.
+    pub fn reserve_frame(&mut self) {
+        if let Some(len) = self.large_partial_frame() {
+            // A new buffer rather than `reserve`: growing in place
+            // (`realloc`) copies the old buffer's whole capacity, not only
+            // the bytes in it.
+            let mut room = BytesMut::with_capacity(PREFIX_LEN + len);
+            room.extend_from_slice(&self.buf);
+            self.buf = room;
+        }
+    }
+
+    /// How many bytes the next read should ask for: what the frame at the
+    /// front still lacks if the buffer has room for it (it is read in
+    /// place); else [`READ_CHUNK`], or for a large partial frame what it
+    /// still lacks, but at most as much again as has arrived (so the
+    /// buffer grows geometrically with real bytes).
     pub fn wanted(&self) -> usize {
         let Some(len) = self.announced().filter(|&l| l <= self.limits.max_frame_len) else {
             return READ_CHUNK;
         };
         let missing = (PREFIX_LEN + len).saturating_sub(self.buf.len());
+        if missing > 0 && missing <= self.buf.capacity() - self.buf.len() {
+            return missing;
+        }
         missing.min(self.buf.len()).max(READ_CHUNK)
+    }
+
+    /// At most how many bytes the next read should take: [`COPY_UP_TO`]
+    /// when nothing is buffered and the last frame was larger than
+    /// [`READ_CHUNK`], else no limit. When large frames follow each other,
+    /// what arrives of one before room is made for all of it
+    /// ([`reserve_frame`](Self::reserve_frame)) is copied once: reading
+    /// only its head first keeps that copy to 4 KiB instead of 64 KiB (all
+    /// of a 64 KiB frame), for one more read when a small frame follows.
+    pub fn read_limit(&self) -> usize {
+        if self.after_large && self.buf.is_empty() {
+            COPY_UP_TO
+        } else {
+            usize::MAX
+        }
     }
 
     /// The buffer to read into, with room for [`wanted`](Self::wanted) bytes.
@@ -152,7 +197,7 @@ impl FrameReader {
     pub fn extend_from_slice(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         while !rest.is_empty() {
-            let n = self.wanted().min(rest.len());
+            let n = self.wanted().min(self.read_limit()).min(rest.len());
             self.read_buf().extend_from_slice(&rest[..n]);
             rest = &rest[n..];
         }
@@ -230,6 +275,55 @@ mod tests {
             r.capacity()
         );
         assert_eq!(r.large_partial_frame(), Some(MAX));
+    }
+
+    #[test]
+    fn a_reserved_frame_is_read_in_place() {
+        let len = 4 << 20;
+        let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let wire = framed(&body);
+        let mut r = reader();
+        r.extend_from_slice(&wire[..READ_CHUNK]);
+        assert_eq!(r.large_partial_frame(), Some(len));
+        r.reserve_frame();
+        assert!(
+            r.capacity() >= PREFIX_LEN + len,
+            "capacity {}",
+            r.capacity()
+        );
+        let start = r.read_buf().as_ptr();
+        for piece in wire[READ_CHUNK..].chunks(100_003) {
+            r.extend_from_slice(piece);
+        }
+        let frame = r.next_frame().unwrap().unwrap();
+        assert_eq!(frame, body);
+        // Where the buffer started after the reservation: never moved
+        // (copied) as the rest arrived.
+        assert_eq!(frame.as_ptr(), start.wrapping_add(PREFIX_LEN));
+    }
+
+    #[test]
+    fn after_a_large_frame_only_the_head_of_the_next_is_read_before_room_is_made() {
+        let mut r = reader();
+        let large = READ_CHUNK + 1;
+        r.extend_from_slice(&framed(&[1; 100]));
+        r.next_frame().unwrap().unwrap();
+        assert_eq!(r.read_limit(), usize::MAX, "after a small frame");
+        let mut wire = framed(&vec![2; large]);
+        wire.extend_from_slice(&framed(&vec![3; large]));
+        r.extend_from_slice(&wire[..READ_CHUNK]);
+        assert_eq!(r.read_limit(), usize::MAX, "inside a frame");
+        r.reserve_frame();
+        r.extend_from_slice(&wire[READ_CHUNK..PREFIX_LEN + large]);
+        assert_eq!(r.next_frame().unwrap().unwrap().len(), large);
+        assert_eq!(r.read_limit(), COPY_UP_TO, "after a large frame");
+        // The next frame's head arrives with no room made yet: only that
+        // much is copied when room is.
+        r.extend_from_slice(&wire[PREFIX_LEN + large..][..r.read_limit()]);
+        assert_eq!(r.buffered(), COPY_UP_TO);
+        r.reserve_frame();
+        r.extend_from_slice(&wire[2 * PREFIX_LEN + large + COPY_UP_TO - PREFIX_LEN..]);
+        assert_eq!(r.next_frame().unwrap().unwrap(), vec![3; large]);
     }
 
     #[test]

@@ -101,7 +101,9 @@ async fn child_server_in_1_gib_of_address_space() {
 }
 
 /// Before frames' buffers grew with the bytes that arrived, each
-/// announcement reserved 64 MiB and the child aborted after ~15.
+/// announcement reserved 64 MiB and the child aborted after ~15. Now only
+/// frames holding a claim on the read budget (256 MiB by default: four of
+/// these) have room made for their whole length; the others wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundreds_of_maximal_frame_announcements_fit_in_1_gib_of_address_space() {
     transport_tcp::install();
