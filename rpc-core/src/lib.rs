@@ -91,6 +91,7 @@ pub mod transport;
 
 mod client;
 mod flow;
+mod gate;
 mod keepalive;
 mod message;
 mod server;

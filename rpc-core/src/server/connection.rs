@@ -18,6 +18,7 @@ use tracing::Instrument;
 
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::gate::WakeGate;
 use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
 use crate::keepalive::{KeepaliveTimer, Tick};
 use crate::message::Inbound;
@@ -774,6 +775,8 @@ pub(super) async fn serve_connection(
     // would join and leave the watch's list of waiters each time.
     let shutdown_changed = shutdown.changed();
     tokio::pin!(shutdown_changed);
+    // Polled only when the watch woke it, not at every frame.
+    let shutdown_gate = WakeGate::new();
     tracing::debug!(peer = %conn.peer, "connection accepted");
     let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
     let mut received = 0u64;
@@ -814,7 +817,7 @@ pub(super) async fn serve_connection(
                     break None;
                 }
             },
-            _ = &mut shutdown_changed, if !draining => {
+            _ = std::future::poll_fn(|cx| shutdown_gate.poll(cx, shutdown_changed.as_mut())), if !draining => {
                 draining = true;
                 let bye = Status::ok("server shutting down");
                 if let Ok(false) = conn.sink.try_send(&OutFrame::control(0, OutBody::GoAway(&bye), false)) {
