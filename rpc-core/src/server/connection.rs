@@ -122,13 +122,28 @@ struct CallSlot {
     inbound: Option<mpsc::UnboundedSender<Inbound>>,
     /// Bytes of request-stream messages received, held to the window granted.
     received: u64,
-    window: Arc<SendWindow>,
+    /// The call's flow-control window. Made at once when the client sends a
+    /// request stream (its messages are checked against it), else when the
+    /// handler starts a response stream ([`ServerConn::response_window`]):
+    /// a unary call needs none.
+    window: Option<Arc<SendWindow>>,
+    /// Bytes the client granted before the window was made.
+    early_grants: u64,
     task: Option<AbortHandle>,
     /// The call's method, `/package.Service/Method`.
     path: String,
     /// When interceptors admitted the call, for their `on_end`; `None`
     /// when the server has none.
     started: Option<Instant>,
+}
+
+impl CallSlot {
+    /// Wakes a sender waiting for window: the call is over.
+    fn close_window(&self) {
+        if let Some(window) = &self.window {
+            window.close();
+        }
+    }
 }
 
 impl ServerConn {
@@ -158,7 +173,7 @@ impl ServerConn {
     fn end_call(&self, id: u64) -> Option<CallSlot> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
-        slot.window.close();
+        slot.close_window();
         if self.open_calls(&calls) == 0 {
             self.idle.notify_one();
         }
@@ -210,7 +225,7 @@ impl ServerConn {
     ) -> Option<(FinalInFlight<'_>, Option<(String, Instant)>)> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
-        slot.window.close();
+        slot.close_window();
         self.finishing.fetch_add(1, Ordering::AcqRel);
         Some((FinalInFlight(self), slot.started.map(|t| (slot.path, t))))
     }
@@ -218,7 +233,7 @@ impl ServerConn {
     fn abort_all(&self) {
         let slots: Vec<CallSlot> = self.calls().drain().map(|(_, slot)| slot).collect();
         for slot in slots {
-            slot.window.close();
+            slot.close_window();
             if let Some(task) = slot.task {
                 task.abort();
             }
@@ -309,7 +324,11 @@ impl ServerConn {
                 // positive: one that starts beyond what was granted ignores
                 // flow control, and would make this queue grow without bound.
                 // (A frame that only ends the stream carries no message.)
-                let granted = slot.window.granted_to_peer();
+                // (A call with a request stream has its window from the start.)
+                let granted = slot
+                    .window
+                    .as_ref()
+                    .map_or(INITIAL_STREAM_WINDOW.into(), |w| w.granted_to_peer());
                 if frame.payload.is_some() && slot.received >= granted {
                     let received = slot.received;
                     drop(calls);
@@ -352,8 +371,11 @@ impl ServerConn {
                 }
             }
             FrameBody::WindowUpdate(bytes) => {
-                if let Some(slot) = self.calls().get(&id) {
-                    slot.window.grant(bytes);
+                if let Some(slot) = self.calls().get_mut(&id) {
+                    match &slot.window {
+                        Some(window) => window.grant(bytes),
+                        None => slot.early_grants = slot.early_grants.saturating_add(bytes.into()),
+                    }
                 }
             }
             FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
@@ -505,7 +527,7 @@ impl ServerConn {
         } else {
             None
         };
-        let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
+        let window = (!end_stream).then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
         let (inbound_tx, inbound_rx) = if end_stream {
             (None, None)
         } else {
@@ -522,7 +544,7 @@ impl ServerConn {
             extensions,
             first,
             inbound: inbound_rx,
-            window: Arc::clone(&window),
+            window: window.clone(),
         };
         // Builds the handler's future; none of the handler's code runs yet.
         let mut handler = service.call(&path[method_at..], call);
@@ -538,28 +560,40 @@ impl ServerConn {
                 tracing::field::display(format_args!("{:032x}", context.trace_id())),
             );
         }
-        // Registered before the handler first runs: it ends the call by its id.
-        self.calls().insert(
-            id,
-            CallSlot {
-                inbound: inbound_tx,
-                received: 0,
-                window,
-                task: None,
-                path,
-                started,
-            },
-        );
-        if self.routes.inline_handlers && end_stream {
-            match poll_inline(&span, trace, &mut handler) {
-                Inline::Finished => return,
-                Inline::Waiting => {}
-                Inline::Panicked(what) => {
-                    let status = panicked(&self.call_path(id), &what);
-                    let conn = Arc::clone(self);
-                    tokio::spawn(async move { conn.finish(id, &status, None).await });
-                    return;
-                }
+        let slot = CallSlot {
+            inbound: inbound_tx,
+            received: 0,
+            window,
+            early_grants: 0,
+            task: None,
+            path,
+            started,
+        };
+        if !(self.routes.inline_handlers && end_stream) {
+            // Registered before the handler first runs (it ends the call by
+            // its id), with its task: the table stays locked while the task
+            // is spawned (which never runs it), so a handler that ends at once
+            // on another worker waits for its slot to be complete.
+            let mut calls = self.calls();
+            let slot = calls.entry(id).insert_entry(slot).into_mut();
+            let run = run_call(Arc::clone(self), id, handler, deadline);
+            let task = match trace {
+                None => spawn_in(span, run),
+                Some(context) => spawn_in(span, context.scope(run)),
+            };
+            slot.task = Some(task.abort_handle());
+            return;
+        }
+        // Inline: registered before the handler first runs on this reader.
+        self.calls().insert(id, slot);
+        match poll_inline(&span, trace, &mut handler) {
+            Inline::Finished => return,
+            Inline::Waiting => {}
+            Inline::Panicked(what) => {
+                let status = panicked(&self.call_path(id), &what);
+                let conn = Arc::clone(self);
+                tokio::spawn(async move { conn.finish(id, &status, None).await });
+                return;
             }
         }
         let run = run_call(Arc::clone(self), id, handler, deadline);
@@ -570,6 +604,19 @@ impl ServerConn {
         if let Some(slot) = self.calls().get_mut(&id) {
             slot.task = Some(task.abort_handle());
         }
+    }
+
+    /// Call `id`'s window for its response stream, made now if it has none
+    /// yet (with what the client granted so far); `None` once the call is
+    /// over (a sender waiting for window then stops, as on a closed one).
+    pub(super) fn response_window(&self, id: u64) -> Option<Arc<SendWindow>> {
+        let mut calls = self.calls();
+        let slot = calls.get_mut(&id)?;
+        let early_grants = slot.early_grants;
+        let window = slot.window.get_or_insert_with(|| {
+            Arc::new(SendWindow::with_grants(INITIAL_STREAM_WINDOW, early_grants))
+        });
+        Some(Arc::clone(window))
     }
 
     /// Call `id`'s method, for the messages of its rare endings (a panic, a
