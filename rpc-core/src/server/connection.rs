@@ -12,7 +12,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::{mpsc, watch, Notify};
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -28,6 +27,7 @@ use crate::trace::TraceContext;
 use crate::transport::{BoxFuture, Connection, FrameSink, FrameSource, TransportError};
 
 use super::call::ServerCall;
+use super::runner::{CallTask, Job, Runners};
 use super::{Routes, Service};
 
 /// One connection's server state: the calls open on it.
@@ -42,6 +42,8 @@ pub(super) struct ServerConn {
     finishing: AtomicUsize,
     /// Notified when the last open call ends (graceful shutdown waits for it).
     idle: Notify,
+    /// Handler tasks kept for the next call.
+    runners: Arc<Runners>,
 }
 
 /// How a connection's call table hashes call ids: one multiplication,
@@ -129,7 +131,7 @@ struct CallSlot {
     window: Option<Arc<SendWindow>>,
     /// Bytes the client granted before the window was made.
     early_grants: u64,
-    task: Option<AbortHandle>,
+    task: Option<CallTask>,
     /// The call's method, `/package.Service/Method`.
     path: String,
     /// When interceptors admitted the call, for their `on_end`; `None`
@@ -576,12 +578,23 @@ impl ServerConn {
             // on another worker waits for its slot to be complete.
             let mut calls = self.calls();
             let slot = calls.entry(id).insert_entry(slot).into_mut();
-            let run = run_call(Arc::clone(self), id, handler, deadline);
-            let task = match trace {
-                None => spawn_in(span, run),
-                Some(context) => spawn_in(span, context.scope(run)),
+            let task = if span.is_disabled() && trace.is_none() {
+                let conn = Arc::clone(self);
+                self.runners.start(Job {
+                    conn,
+                    id,
+                    handler,
+                    deadline,
+                })
+            } else {
+                let run = run_call(Arc::clone(self), id, handler, deadline);
+                let task = match trace {
+                    None => spawn_in(span, run),
+                    Some(context) => spawn_in(span, context.scope(run)),
+                };
+                CallTask::Spawned(task.abort_handle())
             };
-            slot.task = Some(task.abort_handle());
+            slot.task = Some(task);
             return;
         }
         // Inline: registered before the handler first runs on this reader.
@@ -602,7 +615,7 @@ impl ServerConn {
             Some(context) => spawn_in(span, context.scope(run)),
         };
         if let Some(slot) = self.calls().get_mut(&id) {
-            slot.task = Some(task.abort_handle());
+            slot.task = Some(CallTask::Spawned(task.abort_handle()));
         }
     }
 
@@ -745,7 +758,7 @@ fn route<'a>(routes: &'a Routes, path: &str) -> Option<(&'a dyn Service, usize)>
 }
 
 /// Runs a handler under its deadline, turning a panic or an expired deadline into a status.
-async fn run_call(
+pub(super) async fn run_call(
     conn: Arc<ServerConn>,
     id: u64,
     handler: BoxFuture<'static, ()>,
@@ -791,6 +804,7 @@ struct ConnGuard(Arc<ServerConn>);
 impl Drop for ConnGuard {
     fn drop(&mut self) {
         self.0.abort_all();
+        self.0.runners.close();
         self.0.sink.close();
     }
 }
@@ -814,6 +828,7 @@ pub(super) async fn serve_connection(
         calls: Mutex::new(HashMap::with_hasher(CallIdKeys::new())),
         finishing: AtomicUsize::new(0),
         idle: Notify::new(),
+        runners: Arc::default(),
     });
     let _guard = ConnGuard(Arc::clone(&conn));
     let mut source: Box<dyn FrameSource> = connection.source;

@@ -7,6 +7,7 @@
 
 mod call;
 mod connection;
+mod runner;
 
 pub use call::{client_streaming, server_streaming, streaming, unary, unimplemented, ServerCall};
 
