@@ -46,6 +46,14 @@ impl SendWindow {
         }
     }
 
+    /// A window of `initial` bytes plus `granted` the peer granted already.
+    pub(crate) fn with_grants(initial: u32, granted: u64) -> SendWindow {
+        let window = SendWindow::new(initial);
+        let granted = i64::try_from(granted).unwrap_or(i64::MAX);
+        window.available.fetch_add(granted, Ordering::AcqRel);
+        window
+    }
+
     /// This side decided to grant the peer `bytes` more (recorded before the
     /// grant is sent, so a peer using it at once is never judged over).
     pub(crate) fn record_grant_to_peer(&self, bytes: u32) {

@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
+use crate::gate::WakeGate;
+
 /// When to ping a quiet connection, and how long to wait for an answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Keepalive {
@@ -36,10 +38,13 @@ pub(crate) enum Tick {
 }
 
 /// A reader's keepalive state. Costs nothing per frame: the reader counts
-/// frames, and the timer compares counts when it fires.
+/// frames, and the timer compares counts when it fires. Its sleep is polled
+/// only when the timer woke it (or it was reset), not at every wake-up of
+/// the reader's task.
 pub(crate) struct KeepaliveTimer {
     config: Option<Keepalive>,
     sleep: Pin<Box<Sleep>>,
+    gate: WakeGate,
     /// Frames received when the timer last fired.
     seen: u64,
     pinged: bool,
@@ -51,6 +56,7 @@ impl KeepaliveTimer {
         KeepaliveTimer {
             config,
             sleep: Box::pin(tokio::time::sleep(first)),
+            gate: WakeGate::new(),
             seen: 0,
             pinged: false,
         }
@@ -67,15 +73,19 @@ impl KeepaliveTimer {
             return std::future::pending().await;
         };
         loop {
-            self.sleep.as_mut().await;
+            let (gate, sleep) = (&self.gate, &mut self.sleep);
+            std::future::poll_fn(|cx| gate.poll(cx, sleep.as_mut())).await;
             let now = Instant::now();
+            // A fired sleep holds no waker: each reset is polled again (forced).
             if received != self.seen {
                 self.seen = received;
                 self.pinged = false;
                 self.sleep.as_mut().reset(now + config.interval);
+                self.gate.force();
             } else if !self.pinged {
                 self.pinged = true;
                 self.sleep.as_mut().reset(now + config.timeout);
+                self.gate.force();
                 return Tick::Ping;
             } else {
                 return Tick::Dead(config.interval + config.timeout);

@@ -72,7 +72,8 @@
 //!
 //! # Thread safety
 //! [`Channel`], [`Client`] and transports are `Send + Sync`; handlers run on
-//! the tokio runtime, one task per call.
+//! the tokio runtime, each call in a task of its own (a connection keeps a
+//! few handler tasks for its next calls rather than spawning one a call).
 //!
 //! # Resource cleanup
 //! Dropping the last clone of a [`Channel`] closes its connection once the
@@ -91,6 +92,7 @@ pub mod transport;
 
 mod client;
 mod flow;
+mod gate;
 mod keepalive;
 mod message;
 mod server;

@@ -352,7 +352,7 @@ impl ClientConn {
                 biased;
                 result = source.recv() => {
                     received += 1;
-                    if let Some(reason) = self.handle(result).await {
+                    if let Some(reason) = self.handle(result) {
                         break reason;
                     }
                 }
@@ -382,10 +382,7 @@ impl ClientConn {
     }
 
     /// Handles what the reader received; returns why the connection must end, if it must.
-    pub(super) async fn handle(
-        &self,
-        received: Result<Option<Bytes>, TransportError>,
-    ) -> Option<Status> {
+    pub(super) fn handle(&self, received: Result<Option<Bytes>, TransportError>) -> Option<Status> {
         let peer = &self.peer;
         match received {
             Ok(Some(bytes)) => match Frame::decode(bytes) {

@@ -35,7 +35,9 @@ pub struct ServerCall {
     pub(super) extensions: Extensions,
     pub(super) first: Option<Bytes>,
     pub(super) inbound: Option<mpsc::UnboundedReceiver<Inbound>>,
-    pub(super) window: Arc<SendWindow>,
+    /// The call's window when the client sends a request stream; made on
+    /// the first response of a stream otherwise (see `ServerConn::response_window`).
+    pub(super) window: Option<Arc<SendWindow>>,
 }
 
 impl std::fmt::Debug for ServerCall {
@@ -83,7 +85,7 @@ impl ServerCall {
                 Arc::clone(&self.conn.sink),
                 self.id,
                 routes.stream_window,
-                Some(Arc::clone(&self.window)),
+                self.window.clone(),
             )
         });
         let stream = Streaming::new(
@@ -126,6 +128,7 @@ impl ServerCall {
     {
         let (stream, metadata) = response.into_parts();
         let mut stream = pin!(stream);
+        let mut window = self.window.clone();
         while let Some(item) = stream.next().await {
             let message = match item {
                 Ok(message) => message,
@@ -135,7 +138,13 @@ impl ServerCall {
                 Ok(payload) => payload,
                 Err(status) => return self.finish_with_status(status).await,
             };
-            if self.window.reserve(payload.payload_len()).await.is_err() {
+            if window.is_none() {
+                window = self.conn.response_window(self.id);
+            }
+            let Some(window) = &window else {
+                return; // cancelled: the call is over
+            };
+            if window.reserve(payload.payload_len()).await.is_err() {
                 return; // cancelled
             }
             let frame = OutFrame::control(self.id, OutBody::Message, false).with_payload(&payload);

@@ -12,12 +12,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::{mpsc, watch, Notify};
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
 use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::gate::WakeGate;
 use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
 use crate::keepalive::{KeepaliveTimer, Tick};
 use crate::message::Inbound;
@@ -27,6 +27,7 @@ use crate::trace::TraceContext;
 use crate::transport::{BoxFuture, Connection, FrameSink, FrameSource, TransportError};
 
 use super::call::ServerCall;
+use super::runner::{CallTask, Job, Runners};
 use super::{Routes, Service};
 
 /// One connection's server state: the calls open on it.
@@ -41,6 +42,8 @@ pub(super) struct ServerConn {
     finishing: AtomicUsize,
     /// Notified when the last open call ends (graceful shutdown waits for it).
     idle: Notify,
+    /// Handler tasks kept for the next call.
+    runners: Arc<Runners>,
 }
 
 /// How a connection's call table hashes call ids: one multiplication,
@@ -121,13 +124,28 @@ struct CallSlot {
     inbound: Option<mpsc::UnboundedSender<Inbound>>,
     /// Bytes of request-stream messages received, held to the window granted.
     received: u64,
-    window: Arc<SendWindow>,
-    task: Option<AbortHandle>,
+    /// The call's flow-control window. Made at once when the client sends a
+    /// request stream (its messages are checked against it), else when the
+    /// handler starts a response stream ([`ServerConn::response_window`]):
+    /// a unary call needs none.
+    window: Option<Arc<SendWindow>>,
+    /// Bytes the client granted before the window was made.
+    early_grants: u64,
+    task: Option<CallTask>,
     /// The call's method, `/package.Service/Method`.
     path: String,
     /// When interceptors admitted the call, for their `on_end`; `None`
     /// when the server has none.
     started: Option<Instant>,
+}
+
+impl CallSlot {
+    /// Wakes a sender waiting for window: the call is over.
+    fn close_window(&self) {
+        if let Some(window) = &self.window {
+            window.close();
+        }
+    }
 }
 
 impl ServerConn {
@@ -157,7 +175,7 @@ impl ServerConn {
     fn end_call(&self, id: u64) -> Option<CallSlot> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
-        slot.window.close();
+        slot.close_window();
         if self.open_calls(&calls) == 0 {
             self.idle.notify_one();
         }
@@ -209,7 +227,7 @@ impl ServerConn {
     ) -> Option<(FinalInFlight<'_>, Option<(String, Instant)>)> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
-        slot.window.close();
+        slot.close_window();
         self.finishing.fetch_add(1, Ordering::AcqRel);
         Some((FinalInFlight(self), slot.started.map(|t| (slot.path, t))))
     }
@@ -217,7 +235,7 @@ impl ServerConn {
     fn abort_all(&self) {
         let slots: Vec<CallSlot> = self.calls().drain().map(|(_, slot)| slot).collect();
         for slot in slots {
-            slot.window.close();
+            slot.close_window();
             if let Some(task) = slot.task {
                 task.abort();
             }
@@ -308,7 +326,11 @@ impl ServerConn {
                 // positive: one that starts beyond what was granted ignores
                 // flow control, and would make this queue grow without bound.
                 // (A frame that only ends the stream carries no message.)
-                let granted = slot.window.granted_to_peer();
+                // (A call with a request stream has its window from the start.)
+                let granted = slot
+                    .window
+                    .as_ref()
+                    .map_or(INITIAL_STREAM_WINDOW.into(), |w| w.granted_to_peer());
                 if frame.payload.is_some() && slot.received >= granted {
                     let received = slot.received;
                     drop(calls);
@@ -351,8 +373,11 @@ impl ServerConn {
                 }
             }
             FrameBody::WindowUpdate(bytes) => {
-                if let Some(slot) = self.calls().get(&id) {
-                    slot.window.grant(bytes);
+                if let Some(slot) = self.calls().get_mut(&id) {
+                    match &slot.window {
+                        Some(window) => window.grant(bytes),
+                        None => slot.early_grants = slot.early_grants.saturating_add(bytes.into()),
+                    }
                 }
             }
             FrameBody::GoAway(_) => {} // the client leaves; its open calls still finish
@@ -504,7 +529,7 @@ impl ServerConn {
         } else {
             None
         };
-        let window = Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW));
+        let window = (!end_stream).then(|| Arc::new(SendWindow::new(INITIAL_STREAM_WINDOW)));
         let (inbound_tx, inbound_rx) = if end_stream {
             (None, None)
         } else {
@@ -521,7 +546,7 @@ impl ServerConn {
             extensions,
             first,
             inbound: inbound_rx,
-            window: Arc::clone(&window),
+            window: window.clone(),
         };
         // Builds the handler's future; none of the handler's code runs yet.
         let mut handler = service.call(&path[method_at..], call);
@@ -537,28 +562,51 @@ impl ServerConn {
                 tracing::field::display(format_args!("{:032x}", context.trace_id())),
             );
         }
-        // Registered before the handler first runs: it ends the call by its id.
-        self.calls().insert(
-            id,
-            CallSlot {
-                inbound: inbound_tx,
-                received: 0,
-                window,
-                task: None,
-                path,
-                started,
-            },
-        );
-        if self.routes.inline_handlers && end_stream {
-            match poll_inline(&span, trace, &mut handler) {
-                Inline::Finished => return,
-                Inline::Waiting => {}
-                Inline::Panicked(what) => {
-                    let status = panicked(&self.call_path(id), &what);
-                    let conn = Arc::clone(self);
-                    tokio::spawn(async move { conn.finish(id, &status, None).await });
-                    return;
-                }
+        let slot = CallSlot {
+            inbound: inbound_tx,
+            received: 0,
+            window,
+            early_grants: 0,
+            task: None,
+            path,
+            started,
+        };
+        if !(self.routes.inline_handlers && end_stream) {
+            // Registered before the handler first runs (it ends the call by
+            // its id), with its task: the table stays locked while the task
+            // is spawned (which never runs it), so a handler that ends at once
+            // on another worker waits for its slot to be complete.
+            let mut calls = self.calls();
+            let slot = calls.entry(id).insert_entry(slot).into_mut();
+            let task = if span.is_disabled() && trace.is_none() {
+                let conn = Arc::clone(self);
+                self.runners.start(Job {
+                    conn,
+                    id,
+                    handler,
+                    deadline,
+                })
+            } else {
+                let run = run_call(Arc::clone(self), id, handler, deadline);
+                let task = match trace {
+                    None => spawn_in(span, run),
+                    Some(context) => spawn_in(span, context.scope(run)),
+                };
+                CallTask::Spawned(task.abort_handle())
+            };
+            slot.task = Some(task);
+            return;
+        }
+        // Inline: registered before the handler first runs on this reader.
+        self.calls().insert(id, slot);
+        match poll_inline(&span, trace, &mut handler) {
+            Inline::Finished => return,
+            Inline::Waiting => {}
+            Inline::Panicked(what) => {
+                let status = panicked(&self.call_path(id), &what);
+                let conn = Arc::clone(self);
+                tokio::spawn(async move { conn.finish(id, &status, None).await });
+                return;
             }
         }
         let run = run_call(Arc::clone(self), id, handler, deadline);
@@ -567,8 +615,21 @@ impl ServerConn {
             Some(context) => spawn_in(span, context.scope(run)),
         };
         if let Some(slot) = self.calls().get_mut(&id) {
-            slot.task = Some(task.abort_handle());
+            slot.task = Some(CallTask::Spawned(task.abort_handle()));
         }
+    }
+
+    /// Call `id`'s window for its response stream, made now if it has none
+    /// yet (with what the client granted so far); `None` once the call is
+    /// over (a sender waiting for window then stops, as on a closed one).
+    pub(super) fn response_window(&self, id: u64) -> Option<Arc<SendWindow>> {
+        let mut calls = self.calls();
+        let slot = calls.get_mut(&id)?;
+        let early_grants = slot.early_grants;
+        let window = slot.window.get_or_insert_with(|| {
+            Arc::new(SendWindow::with_grants(INITIAL_STREAM_WINDOW, early_grants))
+        });
+        Some(Arc::clone(window))
     }
 
     /// Call `id`'s method, for the messages of its rare endings (a panic, a
@@ -697,7 +758,7 @@ fn route<'a>(routes: &'a Routes, path: &str) -> Option<(&'a dyn Service, usize)>
 }
 
 /// Runs a handler under its deadline, turning a panic or an expired deadline into a status.
-async fn run_call(
+pub(super) async fn run_call(
     conn: Arc<ServerConn>,
     id: u64,
     handler: BoxFuture<'static, ()>,
@@ -743,6 +804,7 @@ struct ConnGuard(Arc<ServerConn>);
 impl Drop for ConnGuard {
     fn drop(&mut self) {
         self.0.abort_all();
+        self.0.runners.close();
         self.0.sink.close();
     }
 }
@@ -766,6 +828,7 @@ pub(super) async fn serve_connection(
         calls: Mutex::new(HashMap::with_hasher(CallIdKeys::new())),
         finishing: AtomicUsize::new(0),
         idle: Notify::new(),
+        runners: Arc::default(),
     });
     let _guard = ConnGuard(Arc::clone(&conn));
     let mut source: Box<dyn FrameSource> = connection.source;
@@ -774,6 +837,8 @@ pub(super) async fn serve_connection(
     // would join and leave the watch's list of waiters each time.
     let shutdown_changed = shutdown.changed();
     tokio::pin!(shutdown_changed);
+    // Polled only when the watch woke it, not at every frame.
+    let shutdown_gate = WakeGate::new();
     tracing::debug!(peer = %conn.peer, "connection accepted");
     let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
     let mut received = 0u64;
@@ -814,7 +879,7 @@ pub(super) async fn serve_connection(
                     break None;
                 }
             },
-            _ = &mut shutdown_changed, if !draining => {
+            _ = std::future::poll_fn(|cx| shutdown_gate.poll(cx, shutdown_changed.as_mut())), if !draining => {
                 draining = true;
                 let bye = Status::ok("server shutting down");
                 if let Ok(false) = conn.sink.try_send(&OutFrame::control(0, OutBody::GoAway(&bye), false)) {

@@ -7,6 +7,7 @@
 
 mod call;
 mod connection;
+mod runner;
 
 pub use call::{client_streaming, server_streaming, streaming, unary, unimplemented, ServerCall};
 
@@ -218,11 +219,11 @@ impl ServerBuilder {
     /// that has to wait (for I/O, a lock, a timer, room to send its reply)
     /// moves on to a task of its own, as every handler does by default.
     ///
-    /// A handler that answers at once thus costs no task spawn, no extra
-    /// wake-up and no task switch: −2,300 instructions of 17,000 per 32-byte
-    /// unary echo call over `tcp://` (`cargo xtask bench --instructions`,
-    /// client and server in one process; most of it is the task's
-    /// allocation, which tokio aligns to 128 bytes). The
+    /// A handler that answers at once thus costs no hand-over to another
+    /// task (handler tasks are kept from call to call on a connection), no
+    /// extra wake-up and no task switch: −950 instructions of 15,400 per
+    /// 32-byte unary echo call over `tcp://` (`cargo xtask bench
+    /// --instructions`, client and server in one process). The
     /// price: while such a handler runs, the connection reads nothing, and
     /// on a multi-threaded runtime one connection's quick handlers run one
     /// after another rather than on several workers. Turn it on for
