@@ -246,7 +246,6 @@ async fn read_raw_frame(
 ) -> Result<usize, Error> {
     let len = read.read_u32_le().await? as usize;
     buf.clear();
-    buf.resize(len, 0);
-    read.read_exact(&mut buf[..]).await?;
+    crate::read_body(read, len, buf).await?;
     Ok(len)
 }

@@ -175,6 +175,26 @@ pub fn tcp_authority(address: &str) -> Result<&str, String> {
 /// A boxed error, for the benchmark program's plumbing.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// Appends the next `len` bytes of `read` to `buf`, read into its spare
+/// capacity: no zeroing first, and what `read` has not buffered yet is read
+/// straight into `buf` (the raw echo's floor touches a payload no more than
+/// it must).
+pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
+    read: &mut R,
+    len: usize,
+    buf: &mut bytes::BytesMut,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt;
+    buf.reserve(len);
+    let mut body = read.take(len as u64);
+    while body.limit() > 0 {
+        if body.read_buf(buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

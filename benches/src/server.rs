@@ -146,10 +146,8 @@ async fn raw_echo(stream: TcpStream) -> std::io::Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };
-        let start = replies.len();
         replies.extend_from_slice(&(len as u32).to_le_bytes());
-        replies.resize(start + 4 + len, 0);
-        read.read_exact(&mut replies[start + 4..]).await?;
+        crate::read_body(&mut read, len, &mut replies).await?;
         if !holds_a_frame(read.buffer()) {
             write.write_all(&replies).await?;
             replies.clear();

@@ -4,6 +4,8 @@
 //! floor) and tonic on the same work (`benches/src/bin/call-instructions.rs`:
 //! client and server in one process, current-thread runtime). Per call =
 //! (count at 2,200 calls − count at 200) / 2,000, so set-up cancels out.
+//! Large payloads (64 KiB-16 MiB, issue 10): the same, from 10 and 30
+//! calls, per payload byte, to show where copies remain.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -42,6 +44,19 @@ const SIZES: [usize; 2] = [32, 1024];
 const FEW: u64 = 200;
 const MANY: u64 = 2200;
 
+/// The programs counted with large payloads.
+const LARGE_SYSTEMS: [(&str, &str); 3] = [
+    (
+        "raw",
+        "raw echo (a 64 KiB read-ahead buffer: up to 64 KiB of each frame copied once)",
+    ),
+    ("rpc", "rdma-rpc over `tcp://`"),
+    ("tonic", "tonic, loopback TCP"),
+];
+const LARGE_SIZES: [usize; 3] = [64 << 10, 1 << 20, 16 << 20];
+const LARGE_FEW: u64 = 10;
+const LARGE_MANY: u64 = 30;
+
 /// Instructions per call, by (system, size).
 type Counts = BTreeMap<(&'static str, usize), f64>;
 
@@ -49,14 +64,18 @@ type Counts = BTreeMap<(&'static str, usize), f64>;
 pub(crate) fn run(binary: &Path, command: &str) -> Result<String, String> {
     let out = std::env::temp_dir().join(format!("xtask-callgrind-{}.out", std::process::id()));
     let mut counts = Counts::new();
-    for (system, _) in SYSTEMS {
-        for size in SIZES {
-            let few = count(binary, &out, system, FEW, size)?;
-            let many = count(binary, &out, system, MANY, size)?;
-            let per_call = per_call(few, many)?;
-            eprintln!("xtask bench: {system:<12} {size:>5} B  {per_call:>9.0} instructions a call");
-            counts.insert((system, size), per_call);
-        }
+    let runs = SYSTEMS
+        .iter()
+        .flat_map(|&(system, _)| SIZES.map(|size| (system, size, FEW, MANY)))
+        .chain(LARGE_SYSTEMS.iter().flat_map(|&(system, _)| {
+            LARGE_SIZES.map(|size| (system, size, LARGE_FEW, LARGE_MANY))
+        }));
+    for (system, size, few_calls, many_calls) in runs {
+        let few = count(binary, &out, system, few_calls, size)?;
+        let many = count(binary, &out, system, many_calls, size)?;
+        let per_call = per_call(few, many, few_calls, many_calls)?;
+        eprintln!("xtask bench: {system:<12} {size:>8} B  {per_call:>11.0} instructions a call");
+        counts.insert((system, size), per_call);
     }
     let _ = std::fs::remove_file(&out);
     Ok(report(&counts, command))
@@ -90,13 +109,29 @@ fn collected(stderr: &str) -> Option<u64> {
     })
 }
 
-fn per_call(few: u64, many: u64) -> Result<f64, String> {
+/// Instructions a call, from the counts of `few_calls` and `many_calls`.
+fn per_call(few: u64, many: u64, few_calls: u64, many_calls: u64) -> Result<f64, String> {
     if many <= few {
         return Err(format!(
-            "{MANY} calls counted {many} instructions, {FEW} counted {few}: not a per-call cost"
+            "{many_calls} calls counted {many} instructions, {few_calls} counted {few}: not a per-call cost"
         ));
     }
-    Ok((many - few) as f64 / (MANY - FEW) as f64)
+    Ok((many - few) as f64 / (many_calls - few_calls) as f64)
+}
+
+/// Instructions per payload byte moved, each way: a call moves its payload
+/// there and back.
+fn per_byte(per_call: f64, size: usize) -> f64 {
+    per_call / (2 * size) as f64
+}
+
+/// `65536` as `64 KiB`, `1048576` as `1 MiB`.
+fn size_name(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    }
 }
 
 fn report(counts: &Counts, command: &str) -> String {
@@ -152,8 +187,52 @@ fn report(counts: &Counts, command: &str) -> String {
             };
         }
     }
+    large_report(counts, &mut out);
     let _ = writeln!(out, "\n{}", MARKERS.1);
     out
+}
+
+/// The large-payload table: instructions a call and per payload byte.
+fn large_report(counts: &Counts, out: &mut String) {
+    let _ = write!(
+        out,
+        "\n### Large payloads: instructions per payload byte\n\n\
+         The same program and count, from {LARGE_FEW} and {LARGE_MANY} calls; per byte = per \
+         call / (2 × payload), the payload going there and back.\n\n| program |"
+    );
+    for size in LARGE_SIZES {
+        let _ = write!(out, " {} a call | per byte |", size_name(size));
+    }
+    out.push_str("\n|---|");
+    out.push_str(&"---:|---:|".repeat(LARGE_SIZES.len()));
+    out.push('\n');
+    for (system, title) in LARGE_SYSTEMS {
+        let _ = write!(out, "| {title} |");
+        for size in LARGE_SIZES {
+            let _ = match counts.get(&(system, size)) {
+                Some(&n) => write!(out, " {} | {:.3} |", thousands(n), per_byte(n, size)),
+                None => write!(out, " – | – |"),
+            };
+        }
+        out.push('\n');
+    }
+    out.push_str("\n| target | measured | verdict |\n|---|---:|---|\n");
+    for size in LARGE_SIZES {
+        let target = format!(
+            "issue 10: rdma-rpc over `tcp://` ≤ 0.1 instructions per payload byte above the raw echo, {}",
+            size_name(size)
+        );
+        let above = |system| Some(per_byte(*counts.get(&(system, size))?, size));
+        let _ = match above("rpc").zip(above("raw")) {
+            Some((rpc, raw)) => writeln!(
+                out,
+                "| {target} | {:+.3} | {} |",
+                rpc - raw,
+                if rpc - raw <= 0.1 { "PASS" } else { "**MISS**" }
+            ),
+            None => writeln!(out, "| {target} | – | not measured |"),
+        };
+    }
 }
 
 /// `21345.6` as `21,346`.
@@ -180,8 +259,12 @@ mod tests {
                       ==123== I   refs:      47,461,520\n";
         assert_eq!(collected(stderr), Some(47_461_520));
         assert_eq!(collected("==1== nothing here\n"), None);
-        assert_eq!(per_call(4_743_583, 47_461_520).unwrap(), 21_358.968_5);
-        assert!(per_call(10, 5).is_err());
+        assert_eq!(
+            per_call(4_743_583, 47_461_520, FEW, MANY).unwrap(),
+            21_358.968_5
+        );
+        assert!(per_call(10, 5, FEW, MANY).is_err());
+        assert_eq!(per_call(100, 500, 10, 30).unwrap(), 20.0);
     }
 
     #[test]
@@ -194,6 +277,15 @@ mod tests {
             counts.insert(("raw", size), raw);
             counts.insert(("rpc", size), rpc);
             counts.insert(("rpc-metrics", size), metrics);
+        }
+        // rpc − raw per byte: 64 KiB (24,000 − 20,000) / 131,072 = 0.031;
+        // 1 MiB (300,000 − 50,000) / 2,097,152 = 0.119.
+        for (size, raw, rpc) in [
+            (64 << 10, 20_000.0, 24_000.0),
+            (1 << 20, 50_000.0, 300_000.0),
+        ] {
+            counts.insert(("raw", size), raw);
+            counts.insert(("rpc", size), rpc);
         }
         let report = report(&counts, "cargo xtask bench --instructions");
         assert!(report.starts_with(MARKERS.0) && report.trim_end().ends_with(MARKERS.1));
@@ -216,6 +308,23 @@ mod tests {
         assert!(report.contains("a call, 32 B | 1.05× | PASS |"), "{report}");
         assert!(
             report.contains("a call, 1024 B | 1.10× | **MISS** |"),
+            "{report}"
+        );
+        assert!(
+            report
+                .contains("| rdma-rpc over `tcp://` | 24,000 | 0.183 | 300,000 | 0.143 | – | – |"),
+            "{report}"
+        );
+        assert!(
+            report.contains("above the raw echo, 64 KiB | +0.031 | PASS |"),
+            "{report}"
+        );
+        assert!(
+            report.contains("above the raw echo, 1 MiB | +0.119 | **MISS** |"),
+            "{report}"
+        );
+        assert!(
+            report.contains("above the raw echo, 16 MiB | – | not measured |"),
             "{report}"
         );
         assert_eq!(thousands(999.4), "999");
