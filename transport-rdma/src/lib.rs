@@ -213,8 +213,14 @@ pub fn debug_dump() -> String {
 /// (see there); not the default yet: between two Soft-RoCE guests READs
 /// stalled (issue 10).
 pub const MEASURED_RENDEZVOUS_THRESHOLD: usize = 128 << 10;
-/// Bytes per RDMA READ of a rendezvous.
-const RENDEZVOUS_READ_CHUNK: usize = 256 << 10;
+/// Bytes per RDMA READ of a rendezvous. Between two Soft-RoCE guests,
+/// READs of 256 KiB and more crawl (perftest `ib_read_bw`: 1.2-2.2 MB/s at
+/// any depth, against 15-17 MB/s at 64 KiB and 16-20 MB/s for
+/// `ib_write_bw`), and 1 MiB tensors by rendezvous with 256 KiB READs did
+/// not move 25 MB in 36 s; with 64 KiB READs they move at 2-7 MB/s (still
+/// a fifth of the same tensors through the region, 7-21 MB/s: rendezvous
+/// stays off by default).
+const RENDEZVOUS_READ_CHUNK: usize = 64 << 10;
 /// RDMA READs in flight per connection (the connection manager's
 /// initiator depth is as deep).
 const RENDEZVOUS_READ_DEPTH: u32 = verbs::READ_DEPTH;
