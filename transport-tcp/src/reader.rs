@@ -144,10 +144,16 @@ impl FrameReader {
     /// reserves address space for the announced length; its pages are
     /// touched only as bytes arrive.
     pub fn reserve_frame(&mut self) {
-        if let Some(len) = self.large_partial_frame() {
-            // A new buffer rather than `reserve`: growing in place
-            // (`realloc`) copies the old buffer's whole capacity, not only
-            // the bytes in it.
+        let Some(len) = self.large_partial_frame() else {
+            return;
+        };
+        // The buffer's own allocation if no frame shares it any more and it
+        // is large enough (a previous frame's: its pages are mapped
+        // already); else a new one, the frame's alone once handed up (so an
+        // application can take it over, `Bytes::try_into_mut`). Not
+        // `reserve`: growing in place (`realloc`) copies the old buffer's
+        // whole capacity, not only the bytes in it.
+        if !self.buf.try_reclaim(PREFIX_LEN + len - self.buf.len()) {
             let mut room = BytesMut::with_capacity(PREFIX_LEN + len);
             room.extend_from_slice(&self.buf);
             self.buf = room;
