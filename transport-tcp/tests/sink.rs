@@ -42,6 +42,31 @@ async fn send(sink: &dyn FrameSink, sender: u32, payload: &Bytes) -> Result<(), 
     sink.send(&frame).await.map_err(|e| e.to_string())
 }
 
+/// Spawns `senders` tasks, sender `s` sending its messages `0..each`, of
+/// `size(s, seq)` bytes, in order on `sink` (yielding now and then, so that
+/// the senders interleave).
+fn spawn_senders(
+    sink: &Arc<dyn FrameSink>,
+    senders: u32,
+    each: u32,
+    size: fn(u32, u32) -> usize,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..senders)
+        .map(|sender| {
+            let sink = Arc::clone(sink);
+            tokio::spawn(async move {
+                for seq in 0..each {
+                    let message = payload(sender, seq, size(sender, seq));
+                    send(&*sink, sender, &message).await.unwrap();
+                    if seq % 7 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 /// Reads one length-prefixed frame; `None` at end-of-stream.
 async fn read_frame(socket: &mut TcpStream) -> Option<Frame> {
     let mut len = [0u8; 4];
@@ -81,21 +106,7 @@ async fn concurrent_senders_frames_arrive_whole_and_in_order() {
     const SENDERS: u32 = 8;
     const EACH: u32 = 400;
     let (connection, mut peer) = connect(TcpTransport::default().write_high_water(16 << 10)).await;
-    let sink = Arc::clone(&connection.sink);
-    let mut senders = Vec::new();
-    for sender in 0..SENDERS {
-        let sink = Arc::clone(&sink);
-        senders.push(tokio::spawn(async move {
-            for seq in 0..EACH {
-                send(&*sink, sender, &payload(sender, seq, size_of(seq)))
-                    .await
-                    .unwrap();
-                if seq % 7 == 0 {
-                    tokio::task::yield_now().await;
-                }
-            }
-        }));
-    }
+    let senders = spawn_senders(&connection.sink, SENDERS, EACH, |_, seq| size_of(seq));
     let mut next = [0u32; SENDERS as usize];
     for _ in 0..SENDERS * EACH {
         let frame = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut peer))
@@ -146,16 +157,7 @@ async fn large_frames_between_small_ones_arrive_whole_and_in_order_to_a_slow_pee
     const EACH: u32 = 12;
     let (connection, mut peer) = connect(TcpTransport::default().write_high_water(64 << 10)).await;
     let sink = Arc::clone(&connection.sink);
-    let mut senders = Vec::new();
-    for sender in 0..SENDERS {
-        let sink = Arc::clone(&sink);
-        senders.push(tokio::spawn(async move {
-            for seq in 0..EACH {
-                let message = payload(sender, seq, mixed_size_of(sender, seq));
-                send(&*sink, sender, &message).await.unwrap();
-            }
-        }));
-    }
+    let senders = spawn_senders(&sink, SENDERS, EACH, mixed_size_of);
     let mut next = [0u32; SENDERS as usize];
     for _ in 0..SENDERS * EACH {
         let frame = tokio::time::timeout(Duration::from_secs(30), read_frame_slowly(&mut peer))
@@ -274,17 +276,7 @@ async fn peer_reset_fails_the_waiting_sender_and_later_ones() {
 async fn close_sends_every_accepted_frame_then_end_of_stream() {
     let (connection, mut peer) = connect(TcpTransport::default()).await;
     let sink = Arc::clone(&connection.sink);
-    let mut senders = Vec::new();
-    for sender in 0..4 {
-        let sink = Arc::clone(&sink);
-        senders.push(tokio::spawn(async move {
-            for seq in 0..200 {
-                send(&*sink, sender, &payload(sender, seq, size_of(seq)))
-                    .await
-                    .unwrap();
-            }
-        }));
-    }
+    let senders = spawn_senders(&sink, 4, 200, |_, seq| size_of(seq));
     for sender in senders {
         sender.await.unwrap();
     }
