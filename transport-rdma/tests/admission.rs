@@ -376,6 +376,21 @@ async fn burst(addr: &str, clients: usize) -> (Vec<RdmaStream>, usize) {
     (connected, refused)
 }
 
+/// The process's registered bytes once unchanged for a second (at most 60 s).
+async fn settled_registered_bytes() -> u64 {
+    let mut last = transport_rdma::verbs::registered_bytes();
+    let mut since = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while since.elapsed() < Duration::from_secs(1) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = transport_rdma::verbs::registered_bytes();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    last
+}
+
 /// The point of async set-ups: none holds a thread while it waits for the
 /// peer. The runtime's one blocking thread is taken for the whole test,
 /// and clients that never confirm the server's answer sit in their
@@ -412,8 +427,11 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
         let server_addr: SocketAddr = addr.strip_prefix("rdma://").unwrap().parse().unwrap();
         let _serving = echo_server(listener);
 
-        // Memory the earlier tests of this process may not have freed yet.
-        let registered_before = transport_rdma::verbs::registered_bytes();
+        // Memory the earlier tests of this process have not freed yet is
+        // freed on the transport's teardown thread meanwhile: wait until
+        // it stops going down (unchanged for a second), so that what the
+        // stalled set-ups add is not hidden by it.
+        let registered_before = settled_registered_bytes().await;
         let stalling: Vec<_> = (0..STALLED)
             .map(|_| std::thread::spawn(move || stalled_client(server_addr)))
             .collect();
