@@ -585,7 +585,7 @@ fn field(fields: &BTreeMap<&str, &str>, key: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("bench-node result without {key}: {fields:?}"))
 }
 
-fn size_name(size: usize) -> String {
+pub(crate) fn size_name(size: usize) -> String {
     match size {
         s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
         s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),

@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Command;
 
-use super::{date, machine};
+use super::{date, machine, size_name};
 
 /// Where the generated section begins and ends in `docs/benchmarks.md`.
 pub(crate) const MARKERS: (&str, &str) = (
@@ -123,15 +123,6 @@ fn per_call(few: u64, many: u64, few_calls: u64, many_calls: u64) -> Result<f64,
 /// there and back.
 fn per_byte(per_call: f64, size: usize) -> f64 {
     per_call / (2 * size) as f64
-}
-
-/// `65536` as `64 KiB`, `1048576` as `1 MiB`.
-fn size_name(size: usize) -> String {
-    if size >= 1 << 20 {
-        format!("{} MiB", size >> 20)
-    } else {
-        format!("{} KiB", size >> 10)
-    }
 }
 
 fn report(counts: &Counts, command: &str) -> String {
