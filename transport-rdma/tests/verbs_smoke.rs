@@ -1,5 +1,6 @@
 //! Verbs smoke test on a real RDMA device: open it, connect two RC queue
-//! pairs through librdmacm, SEND/RECV, RDMA WRITE, and check the bytes.
+//! pairs through librdmacm, SEND/RECV (inline), an RDMA WRITE and a SEND
+//! linked in one post, and check the bytes.
 //!
 //! These tests need a device, named by environment variables:
 //! - `RDMA_TEST_DEVICE`: the device, e.g. `rxe0` or `mlx5_0`;
@@ -34,6 +35,8 @@ const CONNECT_PATIENCE: Duration = Duration::from_secs(90);
 
 const SEND_MESSAGE: &[u8] = b"hello over RDMA SEND";
 const DONE_MESSAGE: &[u8] = b"write done";
+/// Inline data the client's queue pair asks for: its first SEND fits.
+const INLINE_BYTES: u32 = 64;
 const WRITE_LEN: usize = 3000;
 const WRITE_OFFSET: u64 = 100;
 /// Receive slots in the server's receive region.
@@ -212,16 +215,28 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
     mr.write_at(0, SEND_MESSAGE);
     mr.write_at(1024, &pattern(WRITE_LEN));
     mr.write_at(4096, DONE_MESSAGE);
-    // SAFETY: `mr` lives until the end of the function and is not written
-    // again; each request's completion is awaited before the next is posted.
+    if qp.max_inline_data() < SEND_MESSAGE.len() as u32 {
+        return Err(format!(
+            "client: the device granted {} bytes of inline data, asked for {INLINE_BYTES}",
+            qp.max_inline_data()
+        ));
+    }
+    // SAFETY: the SEND is inline: the provider copied its bytes when it was
+    // posted, so writing them at once is allowed; `mr` lives until the end
+    // of the function.
     unsafe { qp.post_send(10, &mr, 0..SEND_MESSAGE.len()) }.map_err(step("post SEND"))?;
+    // The server must see the message as posted, not this.
+    mr.write_at(0, &vec![b'!'; SEND_MESSAGE.len()]);
     expect_completion(&cq, 10, "SEND")?;
+    // The WRITE and the SEND after it go in one post, linked.
+    // SAFETY: `mr` is not written again and lives until both completed.
+    unsafe { qp.queue_write(11, &mr, 1024..1024 + WRITE_LEN, remote, WRITE_OFFSET) }
+        .map_err(step("queue RDMA WRITE"))?;
     // SAFETY: as above.
-    unsafe { qp.post_write(11, &mr, 1024..1024 + WRITE_LEN, remote, WRITE_OFFSET) }
-        .map_err(step("post RDMA WRITE"))?;
+    unsafe { qp.queue_send(12, &mr, 4096..4096 + DONE_MESSAGE.len()) }
+        .map_err(step("queue SEND"))?;
+    qp.post_queued().map_err(step("post RDMA WRITE and SEND"))?;
     expect_completion(&cq, 11, "RDMA WRITE")?;
-    // SAFETY: as above.
-    unsafe { qp.post_send(12, &mr, 4096..4096 + DONE_MESSAGE.len()) }.map_err(step("post SEND"))?;
     expect_completion(&cq, 12, "second SEND")?;
     conn.disconnect().map_err(step("disconnect"))?;
     Ok(())
@@ -242,7 +257,11 @@ fn try_connect(server: SocketAddr) -> Result<Connected, Error> {
     id.set_ack_timeout(CLIENT_ACK_TIMEOUT)?;
     let pd = ProtectionDomain::new(&id)?;
     let cq = CompletionQueue::new(&id, 32)?;
-    let qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default())?;
+    let caps = QpCapabilities {
+        max_inline_data: INLINE_BYTES,
+        ..QpCapabilities::default()
+    };
+    let qp = QueuePair::new(&mut id, &pd, &cq, &cq, caps)?;
     let private = id.connect(&[], STEP_TIMEOUT)?;
     // The options took effect on the connected queue pair.
     let timeout = qp.ack_timeout()?;

@@ -215,13 +215,21 @@ impl State {
         }
     }
 
-    /// Posts every work request the protocol decided, in order; then wakes.
+    /// Posts every work request the protocol decided, in order (the send
+    /// queue's in one `ibv_post_send`); then wakes.
     pub(super) fn flush(&mut self, mem: &Buffers) {
+        let mut posted = Ok(());
         while let Some(transmit) = self.proto.poll_transmit() {
-            if let Err(e) = self.post(mem, transmit) {
-                self.proto.fail(format!("posting to the queue pair: {e}"));
+            posted = self.post(mem, transmit);
+            if posted.is_err() {
                 break;
             }
+        }
+        // What was queued before a failure is posted too, as the protocol
+        // counts it posted.
+        let queued = self.qp.post_queued();
+        if let Err(e) = posted.and(queued) {
+            self.proto.fail(format!("posting to the queue pair: {e}"));
         }
         self.release_on_failure();
         self.wake();
@@ -252,7 +260,7 @@ impl State {
                 // allocated to it until the peer reports it freed (after the
                 // WRITE landed); the memory outlives the QP.
                 unsafe {
-                    self.qp.post_write(
+                    self.qp.queue_write(
                         WorkKind::Write.wr_id(0),
                         &mem.staging,
                         offset..offset + len,
@@ -286,7 +294,7 @@ impl State {
                 // against it (`sge`); the peer's device checks the remote
                 // side against `rkey`'s registration.
                 unsafe {
-                    self.qp.post_read(
+                    self.qp.queue_read(
                         WorkKind::Read.wr_id(seq),
                         &dest.mr,
                         offset..offset + len,
@@ -316,7 +324,7 @@ impl State {
                 // SAFETY: the slot stays untouched until its send completion
                 // frees it; the memory outlives the QP.
                 unsafe {
-                    self.qp.post_send(
+                    self.qp.queue_send(
                         kind.wr_id(slot),
                         &mem.send,
                         start..start + HEADER_LEN + body_len,

@@ -1,5 +1,6 @@
 //! Queue pair (reliable connected), created through the connection manager.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::ptr;
 use std::sync::Arc;
@@ -21,6 +22,10 @@ pub struct QpCapabilities {
     pub max_send_wr: u32,
     /// Outstanding receive-queue work requests.
     pub max_recv_wr: u32,
+    /// Bytes a SEND or WRITE may carry inline (copied into the work
+    /// request when posted, so the device need not read them from
+    /// memory afterwards). A request the device refuses falls back to 0.
+    pub max_inline_data: u32,
 }
 
 impl Default for QpCapabilities {
@@ -28,8 +33,24 @@ impl Default for QpCapabilities {
         Self {
             max_send_wr: 16,
             max_recv_wr: 16,
+            max_inline_data: 0,
         }
     }
+}
+
+/// Work requests linked into one `ibv_post_send` at most (one doorbell;
+/// on Soft-RoCE one system call).
+const POST_BATCH: usize = 32;
+
+/// A send-queue work request waiting for [`QueuePair::post_queued`]: plain
+/// values (no pointers), so the queue pair stays `Send`.
+#[derive(Clone, Copy)]
+struct Queued {
+    wr_id: u64,
+    sge: ffi::ibv_sge,
+    opcode: ffi::ibv_wr_opcode::Type,
+    remote_addr: u64,
+    rkey: u32,
 }
 
 /// An RC `ibv_qp` bound to a [`CmId`] (`rdma_create_qp`): the connection
@@ -42,6 +63,10 @@ pub struct QueuePair {
     pd: Arc<PdInner>,
     _send_cq: Arc<CqInner>,
     _recv_cq: Arc<CqInner>,
+    /// What the device granted of [`QpCapabilities::max_inline_data`].
+    max_inline: u32,
+    /// Send-queue requests queued, not yet posted.
+    queued: Vec<Queued>,
 }
 
 // SAFETY: libibverbs calls on a QP are thread-safe; posting takes `&mut
@@ -51,9 +76,33 @@ unsafe impl Send for QueuePair {}
 impl QueuePair {
     /// Creates the id's RC queue pair on `pd`, completing into `send_cq`
     /// and `recv_cq` (which may be the same). One scatter/gather entry per
-    /// request, no inline data.
+    /// request; inline data up to `caps.max_inline_data` if the device
+    /// allows it, else none.
     /// Takes `&mut` id: creating the QP sets the id's `qp` field.
     pub fn new(
+        id: &mut CmId,
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCapabilities,
+    ) -> Result<Self> {
+        match Self::create(id, pd, send_cq, recv_cq, caps) {
+            // Devices refuse more inline data than they support (EINVAL),
+            // and none says beforehand how much that is.
+            Err(Error::CreateQp(e))
+                if caps.max_inline_data > 0 && e.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                let caps = QpCapabilities {
+                    max_inline_data: 0,
+                    ..caps
+                };
+                Self::create(id, pd, send_cq, recv_cq, caps)
+            }
+            created => created,
+        }
+    }
+
+    fn create(
         id: &mut CmId,
         pd: &ProtectionDomain,
         send_cq: &CompletionQueue,
@@ -70,7 +119,7 @@ impl QueuePair {
                 max_recv_wr: caps.max_recv_wr,
                 max_send_sge: 1,
                 max_recv_sge: 1,
-                max_inline_data: 0,
+                max_inline_data: caps.max_inline_data,
             },
             qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
             sq_sig_all: 0,
@@ -85,7 +134,17 @@ impl QueuePair {
             pd: Arc::clone(&pd.inner),
             _send_cq: Arc::clone(&send_cq.inner),
             _recv_cq: Arc::clone(&recv_cq.inner),
+            // The provider writes back what it granted (at least what was
+            // asked for).
+            max_inline: attr.cap.max_inline_data.min(caps.max_inline_data),
+            queued: Vec::with_capacity(POST_BATCH),
         })
+    }
+
+    /// Bytes a SEND or WRITE carries inline: those of that size or less
+    /// are copied when posted.
+    pub fn max_inline_data(&self) -> u32 {
+        self.max_inline
     }
 
     fn raw(&self) -> *mut ffi::ibv_qp {
@@ -159,7 +218,8 @@ impl QueuePair {
     }
 
     /// Posts a signaled SEND of `mr[range]` (`ibv_post_send`,
-    /// `IBV_WR_SEND`).
+    /// `IBV_WR_SEND`), with what was queued before it
+    /// ([`queue_send`](Self::queue_send)).
     ///
     /// # Safety
     /// `mr` must not be dropped, and `mr[range]` must not be written, until
@@ -171,16 +231,33 @@ impl QueuePair {
         range: Range<usize>,
     ) -> Result<()> {
         // SAFETY: forwarded: the caller upholds this function's contract.
-        unsafe { self.post(wr_id, mr, range, ffi::ibv_wr_opcode::IBV_WR_SEND, None) }
+        unsafe { self.queue_send(wr_id, mr, range)? };
+        self.post_queued()
     }
 
-    /// Posts a signaled RDMA WRITE of `mr[range]` to `remote` at
-    /// `remote_offset` (`ibv_post_send`, `IBV_WR_RDMA_WRITE`). The range is
-    /// checked against `remote` before posting.
+    /// Queues a signaled SEND of `mr[range]` (`IBV_WR_SEND`) for the next
+    /// [`post_queued`](Self::post_queued). Up to
+    /// [`max_inline_data`](Self::max_inline_data) bytes are sent inline.
     ///
     /// # Safety
-    /// As [`post_send`](Self::post_send).
-    pub unsafe fn post_write(
+    /// As [`post_send`](Self::post_send), from this call on.
+    pub unsafe fn queue_send(
+        &mut self,
+        wr_id: u64,
+        mr: &MemoryRegion,
+        range: Range<usize>,
+    ) -> Result<()> {
+        self.queue(wr_id, mr, range, ffi::ibv_wr_opcode::IBV_WR_SEND, (0, 0))
+    }
+
+    /// Queues a signaled RDMA WRITE of `mr[range]` to `remote` at
+    /// `remote_offset` (`IBV_WR_RDMA_WRITE`) for the next
+    /// [`post_queued`](Self::post_queued). The range is checked against
+    /// `remote` here.
+    ///
+    /// # Safety
+    /// As [`post_send`](Self::post_send), from this call on.
+    pub unsafe fn queue_write(
         &mut self,
         wr_id: u64,
         mr: &MemoryRegion,
@@ -190,31 +267,29 @@ impl QueuePair {
     ) -> Result<()> {
         remote.check(remote_offset, range.len() as u64)?;
         let target = (remote.addr + remote_offset, remote.rkey);
-        // SAFETY: forwarded: the caller upholds this function's contract.
-        unsafe {
-            self.post(
-                wr_id,
-                mr,
-                range,
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                Some(target),
-            )
-        }
+        self.queue(
+            wr_id,
+            mr,
+            range,
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            target,
+        )
     }
 
-    /// Posts a signaled RDMA READ of `range.len()` bytes of the peer's
+    /// Queues a signaled RDMA READ of `range.len()` bytes of the peer's
     /// memory at `remote_addr` (its registration `rkey`) into `mr[range]`
-    /// (`ibv_post_send`, `IBV_WR_RDMA_READ`). Nothing is checked on the
-    /// remote side here: the peer's device checks the read against the
-    /// registration `rkey` names (bounds and remote-read access) and fails
-    /// the request (`IBV_WC_REM_ACCESS_ERR`) otherwise.
+    /// (`IBV_WR_RDMA_READ`) for the next [`post_queued`](Self::post_queued).
+    /// Nothing is checked on the remote side here: the peer's device checks
+    /// the read against the registration `rkey` names (bounds and
+    /// remote-read access) and fails the request (`IBV_WC_REM_ACCESS_ERR`)
+    /// otherwise.
     ///
     /// # Safety
-    /// As [`post_recv`](Self::post_recv): the device writes `mr[range]`
-    /// until the completion, so `mr` must not be dropped, and `mr[range]`
-    /// must not be read or written, until this request's completion has
-    /// been polled (or the QP is destroyed).
-    pub unsafe fn post_read(
+    /// As [`post_recv`](Self::post_recv), from this call on: the device
+    /// writes `mr[range]` until the completion, so `mr` must not be
+    /// dropped, and `mr[range]` must not be read or written, until this
+    /// request's completion has been polled (or the QP is destroyed).
+    pub unsafe fn queue_read(
         &mut self,
         wr_id: u64,
         mr: &MemoryRegion,
@@ -222,66 +297,111 @@ impl QueuePair {
         remote_addr: u64,
         rkey: u32,
     ) -> Result<()> {
-        // SAFETY: forwarded: the caller upholds this function's contract
-        // (for a READ, the local range is written, as a receive's is).
-        unsafe {
-            self.post(
-                wr_id,
-                mr,
-                range,
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
-                Some((remote_addr, rkey)),
-            )
-        }
+        let target = (remote_addr, rkey);
+        self.queue(
+            wr_id,
+            mr,
+            range,
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+            target,
+        )
     }
 
-    /// # Safety
-    /// As [`post_send`](Self::post_send); for a READ, as
-    /// [`post_read`](Self::post_read).
-    unsafe fn post(
+    fn queue(
         &mut self,
         wr_id: u64,
         mr: &MemoryRegion,
         range: Range<usize>,
         opcode: ffi::ibv_wr_opcode::Type,
-        remote: Option<(u64, u32)>,
+        (remote_addr, rkey): (u64, u32),
     ) -> Result<()> {
         self.check_pd(mr)?;
-        let mut sge = mr.sge(range)?;
-        let (remote_addr, rkey) = remote.unwrap_or((0, 0));
-        let mut wr = ffi::ibv_send_wr {
+        let sge = mr.sge(range)?;
+        self.queued.push(Queued {
             wr_id,
-            next: ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: 1,
+            sge,
             opcode,
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t { imm_data: 0 },
-            wr: ffi::wr_t {
-                rdma: ffi::rdma_t { remote_addr, rkey },
-            },
-            qp_type: ffi::qp_type_t {
-                xrc: ffi::xrc_t { remote_srqn: 0 },
-            },
-            bind_mw_tso_union: ffi::bind_mw_tso_union_t {
-                tso: ffi::tso_t {
-                    hdr: ptr::null_mut(),
-                    hdr_sz: 0,
-                    mss: 0,
-                },
-            },
-        };
-        let mut bad = ptr::null_mut();
-        // SAFETY: the QP is live; `wr` and `sge` are valid for the call (the
-        // provider copies them); the SGE lies inside `mr`, registered on
-        // the QP's PD, and the caller keeps that memory alive and unchanged
-        // until completion.
-        let ret = unsafe { ffi::ibv_post_send(self.raw(), &mut wr, &mut bad) };
-        if ret == 0 {
-            Ok(())
-        } else {
-            Err(Error::PostSend(errno_error(ret)))
+            remote_addr,
+            rkey,
+        });
+        Ok(())
+    }
+
+    /// Posts every queued request, in order, linked
+    /// into as few `ibv_post_send` calls as [`POST_BATCH`] allows. On an
+    /// error the requests before the failed one were posted; none after
+    /// it was; the queue is empty either way.
+    pub fn post_queued(&mut self) -> Result<()> {
+        let mut result = Ok(());
+        for batch in self.queued.chunks(POST_BATCH) {
+            // Only the entries used are written (no 4 KiB of zeroing per
+            // post), all through one base pointer per array.
+            let mut sges = [const { MaybeUninit::<ffi::ibv_sge>::uninit() }; POST_BATCH];
+            let mut wrs = [const { MaybeUninit::<ffi::ibv_send_wr>::uninit() }; POST_BATCH];
+            let sge_base = sges.as_mut_ptr().cast::<ffi::ibv_sge>();
+            let wr_base = wrs.as_mut_ptr().cast::<ffi::ibv_send_wr>();
+            for (i, q) in batch.iter().enumerate() {
+                let inline = q.opcode != ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
+                    && q.sge.length <= self.max_inline;
+                let inline_flag = if inline {
+                    ffi::ibv_send_flags::IBV_SEND_INLINE.0
+                } else {
+                    0
+                };
+                // SAFETY: `i < batch.len() <= POST_BATCH`: within both
+                // arrays (and `i + 1` at most one past the end, where
+                // `next` is not used: the last request's is null).
+                unsafe {
+                    sge_base.add(i).write(q.sge);
+                    wr_base.add(i).write(ffi::ibv_send_wr {
+                        wr_id: q.wr_id,
+                        next: if i + 1 < batch.len() {
+                            wr_base.add(i + 1)
+                        } else {
+                            ptr::null_mut()
+                        },
+                        sg_list: sge_base.add(i),
+                        num_sge: 1,
+                        opcode: q.opcode,
+                        send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 | inline_flag,
+                        imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t {
+                            imm_data: 0,
+                        },
+                        wr: ffi::wr_t {
+                            rdma: ffi::rdma_t {
+                                remote_addr: q.remote_addr,
+                                rkey: q.rkey,
+                            },
+                        },
+                        qp_type: ffi::qp_type_t {
+                            xrc: ffi::xrc_t { remote_srqn: 0 },
+                        },
+                        bind_mw_tso_union: ffi::bind_mw_tso_union_t {
+                            tso: ffi::tso_t {
+                                hdr: ptr::null_mut(),
+                                hdr_sz: 0,
+                                mss: 0,
+                            },
+                        },
+                    });
+                }
+            }
+            let mut bad = ptr::null_mut();
+            // SAFETY: the QP is live; the batch's requests were all written
+            // above, linked in order, and they and their SGEs are valid for
+            // the call (the provider copies them, and inline data, before
+            // returning); each SGE lies inside a region registered on the
+            // QP's PD (checked when queued), and the callers of `queue_*`
+            // keep that memory alive and as their contracts say until
+            // completion.
+            let ret = unsafe { ffi::ibv_post_send(self.raw(), wr_base, &mut bad) };
+            if ret != 0 {
+                result = Err(Error::PostSend(errno_error(ret)));
+                break;
+            }
         }
+        self.queued.clear();
+        result
     }
 }
 
