@@ -186,7 +186,7 @@ pub use admission::IpPrefix;
 pub use proto::auth::{SecretError, SharedSecret};
 pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -548,13 +548,16 @@ impl RdmaTransport {
     }
 }
 
-fn resolve(authority: &str) -> Result<SocketAddr, TransportError> {
+/// `IP:PORT`, `[IPv6]:PORT` or `NAME:PORT` as one address. A name is
+/// looked up on tokio's blocking pool, never on the caller's thread (a
+/// slow resolver would stall every task of a current-thread runtime).
+async fn resolve(authority: &str) -> Result<SocketAddr, TransportError> {
     let invalid = |reason: &str| TransportError::InvalidAddress {
         address: format!("rdma://{authority}"),
         reason: reason.to_string(),
     };
-    let addrs: Vec<SocketAddr> = authority
-        .to_socket_addrs()
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(authority)
+        .await
         .map_err(|e| invalid(&format!("expected IP:PORT or [IPv6]:PORT: {e}")))?
         .collect();
     // A name with both kinds of address: IPv4 first, as before IPv6 was
@@ -580,13 +583,12 @@ impl RdmaTransport {
     /// into a `T` by `start` and queued for [`Accepting::poll_accept`].
     fn accept_with<T: Send + 'static>(
         &self,
-        authority: &str,
+        addr: SocketAddr,
         start: impl Fn(conn::Established, &RdmaTransport) -> Result<T, TransportError>
             + Send
             + Sync
             + 'static,
     ) -> Result<Accepting<T>, TransportError> {
-        let addr = resolve(authority)?;
         let ctx = format!("listen on rdma://{addr}");
         let e = |e: verbs::Error| TransportError::io(ctx.clone(), std::io::Error::other(e));
         let channel = EventChannel::new().map_err(e)?;
@@ -639,7 +641,7 @@ impl Transport for RdmaTransport {
     ) -> BoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let cfg = self.pool_fitting(limits);
-            let est = cfg.establish(resolve(authority)?).await?;
+            let est = cfg.establish(resolve(authority).await?).await?;
             conn::start(est, limits, &cfg)
         })
     }
@@ -650,9 +652,10 @@ impl Transport for RdmaTransport {
         limits: FrameLimits,
     ) -> BoxFuture<'a, Result<Box<dyn Listener>, TransportError>> {
         Box::pin(async move {
+            let addr = resolve(authority).await?;
             let accepting = self
                 .pool_fitting(limits)
-                .accept_with(authority, move |est, cfg| conn::start(est, limits, cfg))?;
+                .accept_with(addr, move |est, cfg| conn::start(est, limits, cfg))?;
             Ok(Box::new(accepting) as Box<dyn Listener>)
         })
     }
@@ -723,9 +726,14 @@ async fn accept_loop<T: Send + 'static>(
             let start = Arc::clone(&start);
             // The set-up runs as a task of its own (no thread waits for
             // the client); its `handshake` is given back when it ends, and
-            // its `lease` with its memory if it fails.
+            // its `lease` with its memory if it fails. Once the listener is
+            // dropped nobody can take its connection: it ends at once
+            // (dropping it frees what it made) instead of at its time limit.
             tokio::spawn(async move {
-                let accepted = conn::accept(id, peer, proven, lease, &cfg).await;
+                let accepted = tokio::select! {
+                    accepted = conn::accept(id, peer, proven, lease, &cfg) => accepted,
+                    () = tx.closed() => return,
+                };
                 drop(handshake);
                 let connection = accepted.and_then(|est| start(est, &cfg));
                 match connection {
@@ -858,5 +866,30 @@ impl Listener for Accepting<Connection> {
 impl<T> Drop for Accepting<T> {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn names_resolve_and_prefer_ipv4() {
+        let addr = resolve("localhost:4791").await.expect("localhost resolves");
+        assert_eq!(addr, "127.0.0.1:4791".parse().unwrap());
+        let addr = resolve("[::1]:4791").await.expect("an IPv6 literal");
+        assert_eq!(addr, "[::1]:4791".parse().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_bad_address_is_refused_with_its_name() {
+        for bad in ["no-port", "10.0.0.1:notaport"] {
+            match resolve(bad).await {
+                Err(TransportError::InvalidAddress { address, .. }) => {
+                    assert_eq!(address, format!("rdma://{bad}"));
+                }
+                other => panic!("{bad}: expected InvalidAddress, got {other:?}"),
+            }
+        }
     }
 }

@@ -455,7 +455,7 @@ impl RdmaTransport {
     /// Connects a byte stream to `addr` (`rdma://IP:PORT` or `IP:PORT`)
     /// with these settings.
     pub async fn connect_stream(&self, addr: &str) -> io::Result<RdmaStream> {
-        let addr = crate::resolve(authority(addr)).map_err(to_io_error)?;
+        let addr = crate::resolve(authority(addr)).await.map_err(to_io_error)?;
         let cfg = self.without_rendezvous();
         let est = cfg.establish(addr).await.map_err(to_io_error)?;
         RdmaStream::start(est, &cfg).map_err(to_io_error)
@@ -464,9 +464,10 @@ impl RdmaTransport {
     /// Listens for byte streams on `addr` with these settings (see
     /// [`RdmaListener::bind`]).
     pub async fn bind_stream(&self, addr: &str) -> io::Result<RdmaListener> {
+        let addr = crate::resolve(authority(addr)).await.map_err(to_io_error)?;
         let accepting = self
             .without_rendezvous()
-            .accept_with(authority(addr), RdmaStream::start)
+            .accept_with(addr, RdmaStream::start)
             .map_err(to_io_error)?;
         Ok(RdmaListener { accepting })
     }

@@ -341,6 +341,22 @@ fn stalled_client(server: SocketAddr) -> Stalled {
 /// A stalled client's objects, the queue pair first (dropped first).
 type Stalled = (QueuePair, CompletionQueue, ProtectionDomain, CmId);
 
+/// Waits until the server answered each stalled client: it made their
+/// connections and waits for their confirmations.
+async fn until_answered(stalled: &[Stalled]) {
+    for (_, _, _, id) in stalled {
+        // SAFETY: `ChannelFd` holds the channel, so its descriptor is
+        // always the same and stays open while the AsyncFd lives.
+        let fd = unsafe { tokio::io::unix::AsyncFd::register(ChannelFd(id.channel().clone())) }
+            .map_err(|e| e.into_parts().1)
+            .unwrap();
+        let _answered = tokio::time::timeout(Duration::from_secs(20), fd.readable())
+            .await
+            .expect("the server never answered a stalling client")
+            .unwrap();
+    }
+}
+
 /// A stalled client's event channel, to wait until it is readable (the
 /// server answered) without reading it.
 struct ChannelFd(std::sync::Arc<EventChannel>);
@@ -439,18 +455,7 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
             .into_iter()
             .map(|t| t.join().expect("a stalling client"))
             .collect();
-        // Each is answered: the server made its connection and waits.
-        for (_, _, _, id) in &stalled {
-            // SAFETY: `ChannelFd` holds the channel, so its descriptor is
-            // always the same and stays open while the AsyncFd lives.
-            let fd = unsafe { tokio::io::unix::AsyncFd::register(ChannelFd(id.channel().clone())) }
-                .map_err(|e| e.into_parts().1)
-                .unwrap();
-            let _answered = tokio::time::timeout(Duration::from_secs(20), fd.readable())
-                .await
-                .expect("the server never answered a stalling client")
-                .unwrap();
-        }
+        until_answered(&stalled).await;
         let stalled_at = Instant::now();
         let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
         assert!(
@@ -516,4 +521,50 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
         release.send(()).unwrap();
         blocker.await.unwrap().unwrap();
     });
+}
+
+/// A listener dropped while clients sit in their set-ups ends those
+/// set-ups at once: their memory is freed well before their time limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn dropping_the_listener_ends_its_set_ups_in_progress() {
+    const STALLED: usize = 2;
+    const STALL: Duration = Duration::from_secs(120);
+    let env = TestEnv::from_env();
+    let server = RdmaTransport::default().connect_timeout(STALL);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr: SocketAddr = listener.local_addr().to_string()["rdma://".len()..]
+        .parse()
+        .unwrap();
+    let registered_before = settled_registered_bytes().await;
+    let stalling: Vec<_> = (0..STALLED)
+        .map(|_| std::thread::spawn(move || stalled_client(addr)))
+        .collect();
+    let stalled: Vec<Stalled> = stalling
+        .into_iter()
+        .map(|t| t.join().expect("a stalling client"))
+        .collect();
+    until_answered(&stalled).await;
+    let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
+    assert!(
+        waiting >= STALLED as u64 * PINNED_PER_END,
+        "the server holds {waiting} bytes for {STALLED} stalled set-ups"
+    );
+
+    let dropped_at = Instant::now();
+    drop(listener);
+    while transport_rdma::verbs::registered_bytes() > registered_before {
+        assert!(
+            dropped_at.elapsed() < Duration::from_secs(20),
+            "{} bytes still registered {:?} after the listener was dropped (set-ups' limit {STALL:?})",
+            transport_rdma::verbs::registered_bytes() - registered_before,
+            dropped_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "set-ups freed {:?} after the listener was dropped",
+        dropped_at.elapsed()
+    );
+    drop(stalled);
 }
