@@ -69,8 +69,9 @@ pub mod tonicbench {
     tonic::include_proto!("tonicbench");
 }
 
-/// The largest message any system under test must carry (payloads go to 16 MiB).
-pub const MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
+/// The largest message any system under test must carry: rdma-rpc's
+/// default, so a 64 MiB payload field fits (`hol-bench` sends those).
+pub const MAX_MESSAGE_SIZE: usize = rpc_core::DEFAULT_MAX_MESSAGE_SIZE;
 
 /// Installs every rdma-rpc transport this build has (`tcp://`, `rdma://`),
 /// so any address scheme works. `rdma://` uses `transport-rdma`'s defaults
