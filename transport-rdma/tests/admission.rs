@@ -341,10 +341,17 @@ fn stalled_client(server: SocketAddr) -> Stalled {
 /// A stalled client's objects, the queue pair first (dropped first).
 type Stalled = (QueuePair, CompletionQueue, ProtectionDomain, CmId);
 
-/// Waits until the server answered each stalled client: it made their
-/// connections and waits for their confirmations.
-async fn until_answered(stalled: &[Stalled]) {
-    for (_, _, _, id) in stalled {
+/// `n` stalled clients of `server`, once the server answered each: it
+/// made their connections and waits for their confirmations.
+async fn stall_set_ups(server: SocketAddr, n: usize) -> Vec<Stalled> {
+    let stalling: Vec<_> = (0..n)
+        .map(|_| std::thread::spawn(move || stalled_client(server)))
+        .collect();
+    let stalled: Vec<Stalled> = stalling
+        .into_iter()
+        .map(|t| t.join().expect("a stalling client"))
+        .collect();
+    for (_, _, _, id) in &stalled {
         // SAFETY: `ChannelFd` holds the channel, so its descriptor is
         // always the same and stays open while the AsyncFd lives.
         let fd = unsafe { tokio::io::unix::AsyncFd::register(ChannelFd(id.channel().clone())) }
@@ -355,6 +362,7 @@ async fn until_answered(stalled: &[Stalled]) {
             .expect("the server never answered a stalling client")
             .unwrap();
     }
+    stalled
 }
 
 /// A stalled client's event channel, to wait until it is readable (the
@@ -448,14 +456,7 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
         // it stops going down (unchanged for a second), so that what the
         // stalled set-ups add is not hidden by it.
         let registered_before = settled_registered_bytes().await;
-        let stalling: Vec<_> = (0..STALLED)
-            .map(|_| std::thread::spawn(move || stalled_client(server_addr)))
-            .collect();
-        let stalled: Vec<Stalled> = stalling
-            .into_iter()
-            .map(|t| t.join().expect("a stalling client"))
-            .collect();
-        until_answered(&stalled).await;
+        let stalled = stall_set_ups(server_addr, STALLED).await;
         let stalled_at = Instant::now();
         let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
         assert!(
@@ -537,14 +538,7 @@ async fn dropping_the_listener_ends_its_set_ups_in_progress() {
         .parse()
         .unwrap();
     let registered_before = settled_registered_bytes().await;
-    let stalling: Vec<_> = (0..STALLED)
-        .map(|_| std::thread::spawn(move || stalled_client(addr)))
-        .collect();
-    let stalled: Vec<Stalled> = stalling
-        .into_iter()
-        .map(|t| t.join().expect("a stalling client"))
-        .collect();
-    until_answered(&stalled).await;
+    let stalled = stall_set_ups(addr, STALLED).await;
     let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
     assert!(
         waiting >= STALLED as u64 * PINNED_PER_END,
