@@ -85,7 +85,11 @@ struct Half {
 /// takes them from the work request, not by reading the slot (on a NIC,
 /// one DMA read across PCIe less per small message). A 32-byte call with
 /// its header and method name fits. Soft-RoCE grants up to 512, NICs
-/// commonly a few hundred; a device that grants less gets none.
+/// commonly a few hundred; a device that grants less gets none. The cost:
+/// every send-queue entry grows by as much, ~33 KiB of queue memory per
+/// connection at the default depth (Soft-RoCE, `many_connections`: 252
+/// against 219 KiB of the machine's memory per connection; nothing more
+/// pinned). On Soft-RoCE itself it changed no latency measurably.
 const INLINE_SEND_BYTES: u32 = 256;
 
 fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
