@@ -328,7 +328,7 @@ impl QueuePair {
     }
 
     /// Posts every queued request, in order, linked
-    /// into as few `ibv_post_send` calls as [`POST_BATCH`] allows. On an
+    /// into as few `ibv_post_send` calls as can be (32 requests each). On an
     /// error the requests before the failed one were posted; none after
     /// it was; the queue is empty either way.
     pub fn post_queued(&mut self) -> Result<()> {
