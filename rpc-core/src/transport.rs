@@ -132,8 +132,9 @@ impl fmt::Debug for Connection {
 /// caller with no call id of their own (id 0: pings, `GoAway`); frames
 /// interleave whole, never byte-wise. A transport may deliver a frame
 /// before an earlier frame of *another* call, so that small calls do not
-/// wait behind a large transfer (the RDMA transport's rendezvous does;
-/// tcp:// and mem:// keep every frame in order). rpc-core relies on
+/// wait behind a large transfer (the RDMA transport does: a small frame
+/// passes a large one it sends in chunks or by rendezvous; tcp:// and
+/// mem:// keep every frame in order). rpc-core relies on
 /// nothing more: a call's frames, and a connection's closing after
 /// everything sent, keep their order.
 pub trait FrameSink: Send + Sync + 'static {

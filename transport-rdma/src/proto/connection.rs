@@ -207,6 +207,10 @@ pub enum EncodeInto {
 pub struct Reservation {
     len: u32,
     place: Place,
+    /// The frame's call ([`lane`]), if the sender says it has one: an
+    /// inline frame with a call passes a chunked frame of another call
+    /// still being sent.
+    lane: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,6 +231,13 @@ enum Place {
 }
 
 impl Reservation {
+    /// The reservation of a frame of call `lane` (rpc-core's call id,
+    /// [`lane`] of its first bytes; `None` for bytes of no call, such as a
+    /// byte stream's, which never pass anything).
+    pub fn in_lane(self, lane: Option<u64>) -> Reservation {
+        Reservation { lane, ..self }
+    }
+
     fn encode_into(&self, writer_offset: impl Fn(u64) -> usize) -> EncodeInto {
         match self.place {
             Place::Inline { slot } => EncodeInto::SendSlot { slot },
@@ -399,12 +410,22 @@ pub struct Config {
 /// One queued outgoing message.
 #[derive(Debug)]
 enum Out {
-    /// Frame encoded in a send slot after the header space.
-    Inline { slot: u32, len: u32 },
+    /// Frame encoded in a send slot after the header space; of call
+    /// `lane`, if it has one.
+    Inline {
+        slot: u32,
+        len: u32,
+        lane: Option<u64>,
+    },
     /// Frame encoded in the staging region at `pos`; `slot` carries the header.
     Region { slot: u32, pos: u64, len: u32 },
-    /// Frame larger than a chunk, encoded on the heap; sent chunk by chunk.
-    Heap { data: Bytes, done: usize },
+    /// Frame larger than a chunk, encoded on the heap; sent chunk by
+    /// chunk. Inline frames of other calls pass it between chunks.
+    Heap {
+        data: Bytes,
+        done: usize,
+        lane: Option<u64>,
+    },
     /// A rendezvous frame; `slot` holds its announcement.
     Rendezvous { slot: u32, transfer: u64, len: u32 },
 }
@@ -460,6 +481,9 @@ pub struct Connection {
     ring: RecvRing,
     reader: RegionReader,
     reassembly: Reassembly,
+    /// The call ([`lane`]) of the chunked frame being reassembled: inline
+    /// frames of other calls may arrive between its chunks.
+    chunked_lane: Option<u64>,
     prefix_len: usize,
     arrived: VecDeque<Arrived>,
     /// A control message is wanted even with nothing to report (a
@@ -514,6 +538,7 @@ impl Connection {
             ring: RecvRing::new(cfg.ring_slots),
             reader: RegionReader::new(cfg.region_len),
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
+            chunked_lane: None,
             prefix_len: cfg.prefix_len,
             arrived: VecDeque::new(),
             probe: false,
@@ -713,6 +738,7 @@ impl Connection {
             return SendDecision::Encode(Reservation {
                 len: len32,
                 place: Place::Rendezvous { slot, transfer },
+                lane: None,
             });
         }
         let max_chunk = self.writer.max_chunk() as usize;
@@ -749,7 +775,11 @@ impl Connection {
                 Place::Heap
             }
         };
-        SendDecision::Encode(Reservation { len: len32, place })
+        SendDecision::Encode(Reservation {
+            len: len32,
+            place,
+            lane: None,
+        })
     }
 
     /// Whether a frame of `len` bytes goes by rendezvous.
@@ -776,9 +806,11 @@ impl Connection {
             return None;
         }
         match self.queue.back_mut() {
-            Some(Out::Inline { slot, len: queued })
-                if *queued as usize + len <= self.inline_max =>
-            {
+            Some(Out::Inline {
+                slot,
+                len: queued,
+                lane: None,
+            }) if *queued as usize + len <= self.inline_max => {
                 let at = *queued as usize;
                 *queued += len as u32;
                 Some((*slot, at))
@@ -803,7 +835,11 @@ impl Connection {
     /// meanwhile (its place is given back).
     pub fn queue_frame(&mut self, r: Reservation, heap: Option<Bytes>) -> Result<(), Refusal> {
         let out = match r.place {
-            Place::Inline { slot } => Out::Inline { slot, len: r.len },
+            Place::Inline { slot } => Out::Inline {
+                slot,
+                len: r.len,
+                lane: r.lane,
+            },
             Place::Region { slot, pos, .. } => Out::Region {
                 slot,
                 pos,
@@ -821,7 +857,11 @@ impl Connection {
                 }
                 let data = heap.expect("a chunked frame is queued with its bytes");
                 assert_eq!(data.len(), r.len as usize, "heap frame length");
-                Out::Heap { data, done: 0 }
+                Out::Heap {
+                    data,
+                    done: 0,
+                    lane: r.lane,
+                }
             }
             Place::Rendezvous { slot, transfer } => {
                 let refused = match &self.lifecycle {
@@ -904,17 +944,14 @@ impl Connection {
         self.in_flight += 1;
     }
 
-    /// Decides whatever the credits and the peer's free space allow.
-    fn pump(&mut self) {
-        if matches!(
-            self.lifecycle,
-            Lifecycle::Failed(_) | Lifecycle::Disconnected
-        ) {
-            return;
-        }
+    /// Sends what the front of the queue allows, for as long as it allows
+    /// it, but at most one chunk of a chunked frame; returns whether
+    /// anything went.
+    fn pump_front(&mut self) -> bool {
+        let mut sent = false;
         while let Some(front) = self.queue.front_mut() {
             match front {
-                Out::Inline { slot, len } => {
+                Out::Inline { slot, len, .. } => {
                     let (slot, len) = (*slot, *len);
                     if !self.credits.take_data() {
                         break;
@@ -954,7 +991,7 @@ impl Connection {
                     h.pos = transfer;
                     self.push_send(WorkKind::Send, slot, h, super::ANNOUNCE_BODY_LEN);
                 }
-                Out::Heap { data, done } => {
+                Out::Heap { data, done, .. } => {
                     if self.credits.available() < 2 || self.free_heap.is_empty() {
                         break;
                     }
@@ -982,9 +1019,70 @@ impl Connection {
                     }
                     self.push_write(pos, n, Some(chunk));
                     self.push_send(WorkKind::Heap, slot, h, 0);
+                    // One chunk at a time: what may pass it goes next.
+                    return true;
                 }
             }
+            sent = true;
         }
+        sent
+    }
+
+    /// Sends the inline frames queued behind a chunked frame still being
+    /// sent, of calls other than its own and than those of the frames they
+    /// would pass; stops at a frame of no known call (nothing passes it)
+    /// and at any other kind of frame. Returns whether any went.
+    fn pass_chunked_frame(&mut self) -> bool {
+        let Some(&Out::Heap {
+            lane: Some(lane), ..
+        }) = self.queue.front()
+        else {
+            return false;
+        };
+        let mut passed = vec![lane];
+        let mut sent = false;
+        let mut i = 1;
+        while let Some(out) = self.queue.get(i) {
+            match *out {
+                Out::Inline {
+                    slot,
+                    len,
+                    lane: Some(lane),
+                } if !passed.contains(&lane) => {
+                    if !self.credits.take_data() {
+                        break;
+                    }
+                    self.queue.remove(i);
+                    let mut h = Header::new(Kind::Inline);
+                    h.len = len;
+                    self.push_send(WorkKind::Send, slot, h, len as usize);
+                    sent = true;
+                }
+                // It waits, and so does whatever of its call is behind it.
+                Out::Inline {
+                    lane: Some(lane), ..
+                } => {
+                    passed.push(lane);
+                    i += 1;
+                }
+                _ => break,
+            }
+        }
+        sent
+    }
+
+    /// Decides whatever the credits and the peer's free space allow.
+    fn pump(&mut self) {
+        if matches!(
+            self.lifecycle,
+            Lifecycle::Failed(_) | Lifecycle::Disconnected
+        ) {
+            return;
+        }
+        // A chunk of a chunked frame at the front, then the inline frames
+        // of other calls queued behind it, and again: small calls do not
+        // wait for the whole of a large frame.
+        while self.pump_front() | self.pass_chunked_frame() {}
         self.schedule_reads();
         // `Done`s go from control slots, each taking a data credit (the
         // reserved one stays for `Credit` and `Close`).
@@ -1411,8 +1509,21 @@ impl Connection {
                 }
                 Arrived::Inline { slot, len } => {
                     if self.reassembly.in_frame() {
-                        self.fail_protocol("inline frame inside a chunked one");
-                        continue;
+                        // Only a frame of another call passes a chunked one.
+                        let mut call = [0; 12];
+                        let own = if len as usize >= call.len() {
+                            mem.read_slot(slot, HEADER_LEN, &mut call);
+                            lane(&call)
+                        } else {
+                            None
+                        };
+                        if own.is_none() || self.chunked_lane.is_none() || own == self.chunked_lane
+                        {
+                            self.fail_protocol(
+                                "inline frame of the same call inside a chunked one",
+                            );
+                            continue;
+                        }
                     }
                     let len = len as usize;
                     if len > self.reassembly.max_frame_len() {
@@ -1434,6 +1545,12 @@ impl Connection {
                     header,
                     offset,
                 } => {
+                    if header.flags & FIRST != 0 {
+                        let mut call = [0; 12];
+                        let n = (header.len as usize).min(call.len());
+                        mem.read_region(offset, &mut call[..n]);
+                        self.chunked_lane = lane(&call[..n]);
+                    }
                     let out = self.reassembly.chunk_from(
                         header.flags,
                         header.total,

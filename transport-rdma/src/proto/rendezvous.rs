@@ -28,7 +28,8 @@
 //! frames of *other* calls. Frames carry rpc-core's call id in bytes 4..12
 //! ([`lane`]); a frame may be delivered before an earlier rendezvous frame
 //! only if both have a call id and they differ. Region (chunked) frames
-//! and the end of the stream never overtake anything. That is the ordering
+//! and the end of the stream never overtake anything (inline frames of
+//! other calls pass chunked frames too: see `Connection`'s sending). That is the ordering
 //! `rpc_core::transport::FrameSink` promises, and no more.
 
 use super::ProtocolError;

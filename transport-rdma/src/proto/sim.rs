@@ -210,6 +210,7 @@ fn send_frames(me: &mut Side) -> usize {
             SendDecision::Refused(refusal) => panic!("refused: {refusal:?}"),
         };
         let frame = me.app_queue.pop_front().expect("front");
+        let frame_lane = frame[..frame.len().min(12)].to_vec();
         let heap = match me.conn.encode_into(&r) {
             EncodeInto::SendSlot { slot } => {
                 assert!(
@@ -240,7 +241,10 @@ fn send_frames(me: &mut Side) -> usize {
                 None
             }
         };
-        me.conn.queue_frame(r, heap).expect("queued");
+        // rpc-core's frames: each of the call its bytes 4..12 name.
+        me.conn
+            .queue_frame(r.in_lane(lane(&frame_lane)), heap)
+            .expect("queued");
         accepted += 1;
     }
     accepted
@@ -594,11 +598,8 @@ fn run(seed: u64, steps: usize) {
     }
     for (side, expect, name) in [(&a, expect_a, "a"), (&b, expect_b, "b")] {
         check_order(&side.got, &expect, &format!("seed {seed}: {name}"));
-        if rendezvous.is_none() {
-            assert!(
-                side.got == expect,
-                "seed {seed}: {name} frames differ or out of order"
-            );
+        if rendezvous.is_none() && side.got != expect {
+            PASSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         assert!(
             side.segments.is_empty()
@@ -657,14 +658,50 @@ fn run(seed: u64, steps: usize) {
 }
 
 static RENDEZVOUS_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Runs without the rendezvous where a frame was delivered before one
+/// sent earlier (a small frame passing a chunked one).
+static PASSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 #[test]
 fn randomized_two_endpoints() {
     for seed in 1..=300u64 {
         run(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 2000);
     }
-    // The rendezvous runs were not vacuous.
+    // The rendezvous runs were not vacuous, and small frames passed
+    // chunked ones in the others.
     assert!(RENDEZVOUS_READS.load(std::sync::atomic::Ordering::Relaxed) > 1000);
+    assert!(PASSED.load(std::sync::atomic::Ordering::Relaxed) > 10);
+}
+
+/// Small frames of other calls queued behind a chunked frame go between
+/// its chunks and arrive before it; a small frame of its own call waits
+/// for it.
+#[test]
+fn small_frames_of_other_calls_pass_a_chunked_one() {
+    let mut a = Side::new();
+    let mut b = Side::new();
+    let (mut to_b, mut to_a) = (VecDeque::new(), VecDeque::new());
+    // `frame(i, _)`'s call (bytes 4..12) follows from `i`.
+    let large = frame(1, 3 * REGION);
+    let others: Vec<_> = (2..6).map(|i| frame(i, INLINE_MAX)).collect();
+    let same_call = frame(1, INLINE_MAX);
+    a.app_queue.push_back(large.clone());
+    a.app_queue.extend(others.iter().cloned());
+    a.app_queue.push_back(same_call.clone());
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    let at = |f: &Vec<u8>| {
+        b.got
+            .iter()
+            .position(|g| *g == Got::Frame(f.clone()))
+            .expect("every frame delivered")
+    };
+    for other in &others {
+        assert!(at(other) < at(&large), "{:?}", b.got.len());
+    }
+    assert!(
+        at(&same_call) > at(&large),
+        "a frame passed one of its own call"
+    );
 }
 
 #[test]
@@ -699,7 +736,7 @@ fn one_way_bulk_with_stingy_app() {
         a.conn.summary()
     );
     let want: Vec<_> = frames.into_iter().map(Got::Frame).collect();
-    assert!(b.got == want, "frames differ or out of order");
+    check_order(&b.got, &want, "one way");
 }
 
 /// Pumps both ways until nothing moves; the application releases every
@@ -757,7 +794,7 @@ fn a_half_closed_connection_carries_the_other_direction_to_the_end() {
         b.conn.summary()
     );
     let want: Vec<_> = frames.into_iter().map(Got::Frame).collect();
-    assert!(a.got == want, "frames differ or out of order");
+    check_order(&a.got, &want, "b to a");
     assert!(!a.eof);
     // Then `b` closes: both ends have seen the end and are drained.
     b.conn.close();
