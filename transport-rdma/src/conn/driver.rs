@@ -123,7 +123,7 @@ struct Driver {
 
 /// Handles every completion waiting in the CQ; returns how many.
 fn drain_cq(shared: &Shared) -> usize {
-    shared.lock().drain_cq(&shared.cq, &shared.mem)
+    shared.lock_driver().drain_cq(&shared.cq, &shared.mem)
 }
 
 /// Reposts the slots the application released, and gives the pool back
@@ -139,7 +139,7 @@ fn repost_released(shared: &Shared) {
     if released.is_empty() && pooled.is_empty() {
         return;
     }
-    let mut st = shared.lock();
+    let mut st = shared.lock_driver();
     for slot in released {
         st.proto.handle_released(slot);
     }
@@ -171,7 +171,8 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         drain_cq(&shared);
         repost_released(&shared);
         {
-            let st = shared.lock();
+            // Letting it go posts what other tasks left to the driver.
+            let st = shared.lock_driver();
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
             }

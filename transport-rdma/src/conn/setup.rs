@@ -35,7 +35,7 @@ use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
     Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
-    QpCapabilities, QueuePair, RemoteRegion,
+    QpCapabilities, QueuePair, RemoteRegion, SendBatch,
 };
 use crate::RdmaTransport;
 
@@ -433,6 +433,8 @@ impl Established {
             completions: 0,
             out_transfers: HashMap::new(),
             destinations: HashMap::new(),
+            posting: false,
+            batch: SendBatch::default(),
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),

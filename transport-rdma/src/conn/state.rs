@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
+use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Waker};
 
@@ -17,7 +18,7 @@ use crate::proto::{
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion,
+    Access, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion, SendBatch,
     WorkCompletion,
 };
 
@@ -79,6 +80,11 @@ pub(super) struct State {
     /// their READs run and until delivered. Declared after `qp`: one with
     /// a READ in flight is freed only after the QP is destroyed.
     pub(super) destinations: HashMap<u64, PoolBuffer>,
+    /// A thread is posting the send queue's requests, outside the lock
+    /// ([`Locked`]); it posts whatever is queued meanwhile too.
+    pub(super) posting: bool,
+    /// The posting thread's batch, kept for its allocation.
+    pub(super) batch: SendBatch,
 }
 
 /// A rendezvous destination: registered memory for local write only (the
@@ -144,8 +150,99 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+    /// The state, under its mutex; send-queue requests queued under it are
+    /// posted when it is let go ([`Locked`]).
+    pub(super) fn lock(&self) -> Locked<'_> {
+        Locked {
+            shared: self,
+            guard: Some(self.lock_only()),
+            driver: false,
+        }
+    }
+
+    /// [`lock`](Self::lock), for the connection's driver task: what is
+    /// queued is posted when it is let go, however large.
+    pub(super) fn lock_driver(&self) -> Locked<'_> {
+        Locked {
+            shared: self,
+            guard: Some(self.lock_only()),
+            driver: true,
+        }
+    }
+
+    fn lock_only(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The state under its mutex. Dropping it posts the send-queue requests
+/// queued meanwhile, with the mutex let go: on Soft-RoCE `ibv_post_send`
+/// is a system call in which the kernel transmits what was posted (up to
+/// hundreds of milliseconds for a region chunk in an emulated guest), and
+/// the connection's receiver, completions and other senders must not wait
+/// for it. One thread posts at a time (`State::posting`), in the order the
+/// requests were queued; one that queues while another posts leaves its
+/// requests to that one. Requests moving more than [`POST_HERE_UP_TO`]
+/// bytes are left to the driver task: a small call whose send made room
+/// for a large frame's next chunk does not carry that chunk itself.
+pub(super) struct Locked<'a> {
+    shared: &'a Shared,
+    guard: Option<MutexGuard<'a, State>>,
+    driver: bool,
+}
+
+/// Bytes of queued requests a task other than the driver posts itself.
+const POST_HERE_UP_TO: u64 = 64 * 1024;
+
+impl Deref for Locked<'_> {
+    type Target = State;
+
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut st) = self.guard.take() else {
+            return;
+        };
+        if st.posting || !st.qp.has_queued() {
+            return;
+        }
+        if !self.driver && st.qp.queued_bytes() > POST_HERE_UP_TO {
+            drop(st);
+            self.shared.wake_task.notify_one();
+            return;
+        }
+        st.posting = true;
+        let poster = st.qp.poster();
+        let mut batch = std::mem::take(&mut st.batch);
+        loop {
+            st.qp.take_queued(&mut batch);
+            if batch.is_empty() {
+                break;
+            }
+            drop(st);
+            // SAFETY: the queue pair lives in the state, which `Shared`
+            // owns and frees only when dropped: not while `self.shared`
+            // is borrowed. `posting` makes this the only poster.
+            let posted = unsafe { poster.post(&mut batch) };
+            st = self.shared.lock_only();
+            if let Err(e) = posted {
+                st.proto.fail(format!("posting to the queue pair: {e}"));
+                st.release_on_failure();
+                st.wake();
+            }
+        }
+        st.posting = false;
+        st.batch = batch;
     }
 }
 
@@ -215,21 +312,18 @@ impl State {
         }
     }
 
-    /// Posts every work request the protocol decided, in order (the send
-    /// queue's in one `ibv_post_send`); then wakes.
+    /// Carries out every work request the protocol decided, in order:
+    /// receives are posted at once, send-queue requests queued and posted
+    /// (linked, in as few `ibv_post_send` as can be) once the lock is let
+    /// go ([`Locked`]); then wakes.
     pub(super) fn flush(&mut self, mem: &Buffers) {
-        let mut posted = Ok(());
         while let Some(transmit) = self.proto.poll_transmit() {
-            posted = self.post(mem, transmit);
-            if posted.is_err() {
+            if let Err(e) = self.post(mem, transmit) {
+                // What was queued before is posted too, as the protocol
+                // counts it posted.
+                self.proto.fail(format!("posting to the queue pair: {e}"));
                 break;
             }
-        }
-        // What was queued before a failure is posted too, as the protocol
-        // counts it posted.
-        let queued = self.qp.post_queued();
-        if let Err(e) = posted.and(queued) {
-            self.proto.fail(format!("posting to the queue pair: {e}"));
         }
         self.release_on_failure();
         self.wake();

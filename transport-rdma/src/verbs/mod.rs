@@ -61,7 +61,7 @@ pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{registered_bytes, Access, MemoryRegion, RemoteRegion};
 pub use pd::ProtectionDomain;
-pub use qp::{QpCapabilities, QueuePair};
+pub use qp::{QpCapabilities, QueuePair, SendBatch, SendPoster};
 
 use std::io;
 

@@ -332,15 +332,89 @@ impl QueuePair {
     /// error the requests before the failed one were posted; none after
     /// it was; the queue is empty either way.
     pub fn post_queued(&mut self) -> Result<()> {
+        let mut batch = SendBatch::default();
+        self.take_queued(&mut batch);
+        // SAFETY: the queue pair is alive (we hold it), and `&mut self`
+        // makes this the only poster.
+        unsafe { self.poster().post(&mut batch) }
+    }
+
+    /// Whether requests are queued and not posted.
+    pub fn has_queued(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
+    /// Bytes the queued requests move.
+    pub fn queued_bytes(&self) -> u64 {
+        self.queued.iter().map(|q| u64::from(q.sge.length)).sum()
+    }
+
+    /// Moves the queued requests into `batch` (empty), in order, to post
+    /// them with a [`SendPoster`] without holding the queue pair.
+    pub fn take_queued(&mut self, batch: &mut SendBatch) {
+        debug_assert!(batch.0.is_empty(), "a batch not posted");
+        std::mem::swap(&mut self.queued, &mut batch.0);
+    }
+
+    /// A handle that posts batches to this queue pair's send queue from
+    /// any thread (`ibv_post_send` is thread-safe), so that a caller can
+    /// post without holding the lock that guards the queue pair: on
+    /// Soft-RoCE a post is a system call in which the kernel transmits
+    /// the requests, for as long as that takes.
+    pub fn poster(&self) -> SendPoster {
+        SendPoster {
+            qp: self.raw(),
+            max_inline: self.max_inline,
+        }
+    }
+}
+
+/// Send-queue requests taken out of a [`QueuePair`] to post
+/// ([`QueuePair::take_queued`], [`SendPoster::post`]).
+#[derive(Default)]
+pub struct SendBatch(Vec<Queued>);
+
+impl SendBatch {
+    /// Whether it holds no request.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Posts [`SendBatch`]es to a queue pair's send queue ([`QueuePair::poster`]).
+#[derive(Clone, Copy)]
+pub struct SendPoster {
+    qp: *mut ffi::ibv_qp,
+    max_inline: u32,
+}
+
+// SAFETY: a plain handle; `post`'s contract says when it may be used, and
+// libibverbs allows posting from any thread.
+unsafe impl Send for SendPoster {}
+// SAFETY: as above.
+unsafe impl Sync for SendPoster {}
+
+impl SendPoster {
+    /// Posts `batch`'s requests in order, linked into as few
+    /// `ibv_post_send` calls as [`POST_BATCH`] allows, and empties it. On
+    /// an error the requests before the failed one were posted; none after
+    /// it was.
+    ///
+    /// # Safety
+    /// The queue pair must be alive for the whole call. The requests'
+    /// memory contracts were taken on when they were queued (`queue_*`).
+    /// Requests are posted in the order of the calls: one poster at a
+    /// time keeps the order they were queued in.
+    pub unsafe fn post(&self, batch: &mut SendBatch) -> Result<()> {
         let mut result = Ok(());
-        for batch in self.queued.chunks(POST_BATCH) {
+        for chunk in batch.0.chunks(POST_BATCH) {
             // Only the entries used are written (no 4 KiB of zeroing per
             // post), all through one base pointer per array.
             let mut sges = [const { MaybeUninit::<ffi::ibv_sge>::uninit() }; POST_BATCH];
             let mut wrs = [const { MaybeUninit::<ffi::ibv_send_wr>::uninit() }; POST_BATCH];
             let sge_base = sges.as_mut_ptr().cast::<ffi::ibv_sge>();
             let wr_base = wrs.as_mut_ptr().cast::<ffi::ibv_send_wr>();
-            for (i, q) in batch.iter().enumerate() {
+            for (i, q) in chunk.iter().enumerate() {
                 let inline = q.opcode != ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
                     && q.sge.length <= self.max_inline;
                 let inline_flag = if inline {
@@ -348,14 +422,14 @@ impl QueuePair {
                 } else {
                     0
                 };
-                // SAFETY: `i < batch.len() <= POST_BATCH`: within both
+                // SAFETY: `i < chunk.len() <= POST_BATCH`: within both
                 // arrays (and `i + 1` at most one past the end, where
                 // `next` is not used: the last request's is null).
                 unsafe {
                     sge_base.add(i).write(q.sge);
                     wr_base.add(i).write(ffi::ibv_send_wr {
                         wr_id: q.wr_id,
-                        next: if i + 1 < batch.len() {
+                        next: if i + 1 < chunk.len() {
                             wr_base.add(i + 1)
                         } else {
                             ptr::null_mut()
@@ -387,20 +461,20 @@ impl QueuePair {
                 }
             }
             let mut bad = ptr::null_mut();
-            // SAFETY: the QP is live; the batch's requests were all written
-            // above, linked in order, and they and their SGEs are valid for
-            // the call (the provider copies them, and inline data, before
-            // returning); each SGE lies inside a region registered on the
-            // QP's PD (checked when queued), and the callers of `queue_*`
-            // keep that memory alive and as their contracts say until
-            // completion.
-            let ret = unsafe { ffi::ibv_post_send(self.raw(), wr_base, &mut bad) };
+            // SAFETY: the QP is live (this function's contract); the
+            // chunk's requests were all written above, linked in order, and
+            // they and their SGEs are valid for the call (the provider
+            // copies them, and inline data, before returning); each SGE
+            // lies inside a region registered on the QP's PD (checked when
+            // queued), and the callers of `queue_*` keep that memory alive
+            // and as their contracts say until completion.
+            let ret = unsafe { ffi::ibv_post_send(self.qp, wr_base, &mut bad) };
             if ret != 0 {
                 result = Err(Error::PostSend(errno_error(ret)));
                 break;
             }
         }
-        self.queued.clear();
+        batch.0.clear();
         result
     }
 }
