@@ -121,9 +121,10 @@ struct Driver {
     _device_watch: device_events::WatchLease,
 }
 
-/// Handles every completion waiting in the CQ; returns how many.
+/// Handles every completion waiting in the CQ; returns how many. Large
+/// posts it decides are left to the driver's post step ([`drive`]).
 fn drain_cq(shared: &Shared) -> usize {
-    shared.lock_driver().drain_cq(&shared.cq, &shared.mem)
+    shared.lock().drain_cq(&shared.cq, &shared.mem)
 }
 
 /// Reposts the slots the application released, and gives the pool back
@@ -139,7 +140,7 @@ fn repost_released(shared: &Shared) {
     if released.is_empty() && pooled.is_empty() {
         return;
     }
-    let mut st = shared.lock_driver();
+    let mut st = shared.lock();
     for slot in released {
         st.proto.handle_released(slot);
     }
@@ -168,10 +169,21 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
     loop {
-        drain_cq(&shared);
+        let drained = drain_cq(&shared);
         repost_released(&shared);
+        if drained > 0 {
+            // The tasks just woken (a receiver whose frame arrived, senders
+            // given room) wait in this worker's LIFO slot, which no other
+            // worker steals, until this task yields: let them run before
+            // the large posts below (on Soft-RoCE the kernel transmits a
+            // posted chunk inside `ibv_post_send`), and before the next
+            // completions, which keep coming while a tensor moves. Without
+            // this a small call's answer, arrived, waited ~1 s behind a
+            // 64 MiB frame on the same connection (`hol-bench`).
+            tokio::task::yield_now().await;
+        }
         {
-            // Letting it go posts what other tasks left to the driver.
+            // Letting it go posts what was left to the driver.
             let st = shared.lock_driver();
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;

@@ -36,6 +36,15 @@ pub const CTRL_SLOTS: u32 = 4;
 /// Send slots reserved for the chunks of a heap-encoded frame (frames queued
 /// behind it may hold every data slot).
 pub const HEAP_SLOTS: u32 = 4;
+/// Largest chunk of a heap-encoded (chunked) frame. Frames of other calls
+/// pass a chunked frame between its chunks, but not a chunk already posted:
+/// at most [`HEAP_SLOTS`] chunks are in flight, so a small frame queued
+/// behind a tensor waits for at most `HEAP_SLOTS * HEAP_CHUNK_MAX` bytes in
+/// the send queue (on Soft-RoCE the kernel transmits a posted chunk inside
+/// `ibv_post_send`, so this also bounds how long one post takes). 64 KiB
+/// chunks still fill a link: perftest's bandwidth tests saturate at 64 KiB
+/// messages.
+const HEAP_CHUNK_MAX: usize = 64 << 10;
 
 /// What a work request was for (its kind is encoded in its `wr_id`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -995,7 +1004,9 @@ impl Connection {
                     if self.credits.available() < 2 || self.free_heap.is_empty() {
                         break;
                     }
-                    let n = (data.len() - *done).min(self.writer.max_chunk() as usize);
+                    let n = (data.len() - *done)
+                        .min(self.writer.max_chunk() as usize)
+                        .min(HEAP_CHUNK_MAX);
                     let Some(pos) = self.writer.alloc(n as u64) else {
                         break;
                     };
@@ -1970,6 +1981,48 @@ mod tests {
         while conn.poll_transmit().is_some() {}
         complete(&mut conn, WorkKind::Recv.wr_id(0), &credit_message(100));
         assert_eq!(conn.failure(), None);
+    }
+
+    /// A chunked frame goes in chunks of at most `HEAP_CHUNK_MAX` (not half
+    /// the region), at most `HEAP_SLOTS` of them before a completion, and a
+    /// small frame of another call queued behind it goes after its first
+    /// chunk: it waits for that much of the tensor in the send queue, not
+    /// for all of it.
+    #[test]
+    fn a_chunked_frame_goes_in_small_chunks_that_small_frames_pass() {
+        let region = 4 << 20;
+        let mut conn = Connection::new(Config {
+            region_len: region,
+            peer_region_len: region,
+            max_frame_len: 8 << 20,
+            ..connection_config()
+        });
+        let mut queue = |len: usize, call: u64| {
+            let SendDecision::Encode(reservation) = conn.handle_send(len) else {
+                panic!("no room for a frame of {len} bytes")
+            };
+            let mut frame = vec![0; len];
+            frame[4..12].copy_from_slice(&call.to_le_bytes());
+            let heap = (len > conn.max_unchunked()).then(|| Bytes::from(frame));
+            conn.queue_frame(reservation.in_lane(Some(call)), heap)
+                .unwrap();
+        };
+        queue(3 << 20, 1);
+        queue(40, 2);
+        let mut writes = Vec::new();
+        let mut small_after = None;
+        while let Some(t) = conn.poll_transmit() {
+            match t {
+                Transmit::Write { len, .. } => writes.push(len),
+                Transmit::Send {
+                    kind: WorkKind::Send,
+                    ..
+                } => small_after = Some(writes.len()),
+                _ => {}
+            }
+        }
+        assert_eq!(writes, vec![HEAP_CHUNK_MAX; HEAP_SLOTS as usize]);
+        assert_eq!(small_after, Some(1), "the small frame did not pass");
     }
 
     // ---- rendezvous ----
