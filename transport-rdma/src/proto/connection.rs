@@ -416,6 +416,17 @@ pub struct Config {
     pub rendezvous: RendezvousConfig,
 }
 
+/// The call ([`lane`]) of the inline frame of `len` bytes received in
+/// `slot`; `None` for a frame too short to name one.
+fn inline_lane(mem: &impl ReadReceived, slot: u32, len: u32) -> Option<u64> {
+    let mut call = [0; 12];
+    if (len as usize) < call.len() {
+        return None;
+    }
+    mem.read_slot(slot, HEADER_LEN, &mut call);
+    lane(&call)
+}
+
 /// One queued outgoing message.
 #[derive(Debug)]
 enum Out {
@@ -1456,14 +1467,7 @@ impl Connection {
                     if i == 0 {
                         return Some(0);
                     }
-                    let mut call = [0; 12];
-                    let lane = if len as usize >= call.len() {
-                        mem.read_slot(slot, HEADER_LEN, &mut call);
-                        lane(&call)
-                    } else {
-                        None
-                    };
-                    (true, lane)
+                    (true, inline_lane(mem, slot, len))
                 }
                 Arrived::Chunk { .. } | Arrived::Eof => return (i == 0).then_some(0),
             };
@@ -1521,13 +1525,7 @@ impl Connection {
                 Arrived::Inline { slot, len } => {
                     if self.reassembly.in_frame() {
                         // Only a frame of another call passes a chunked one.
-                        let mut call = [0; 12];
-                        let own = if len as usize >= call.len() {
-                            mem.read_slot(slot, HEADER_LEN, &mut call);
-                            lane(&call)
-                        } else {
-                            None
-                        };
+                        let own = inline_lane(mem, slot, len);
                         if own.is_none() || self.chunked_lane.is_none() || own == self.chunked_lane
                         {
                             self.fail_protocol(
