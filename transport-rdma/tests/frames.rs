@@ -1,7 +1,8 @@
 //! The RDMA transport at the frame level, on a real device: frames of every
 //! size around every threshold (inline / one region chunk / chunked),
 //! credits holding back a sender whose peer does not read, a receiver that
-//! keeps every frame, a peer process killed mid-stream.
+//! keeps every frame, small frames passing a 64 MiB one, a peer process
+//! killed mid-stream.
 //!
 //! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`); in a
 //! two-host run each side runs these over its own device.
@@ -166,6 +167,54 @@ async fn default_config_every_threshold_up_to_64_mib() {
     }
     sizes.extend([(16 << 20) + 7, 64 << 20]);
     round_trip_sizes(RdmaTransport::default(), &sizes).await;
+}
+
+/// A small frame of another call sent after a 64 MiB frame on the same
+/// connection arrives before it (it passes the frame between its chunks,
+/// or while its rendezvous is read); one of the large frame's own call
+/// arrives after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn small_frames_of_other_calls_pass_a_64_mib_frame() {
+    let env = TestEnv::from_env();
+    let large = payload(1, 64 << 20);
+    let small = payload(2, 32);
+    for (path, cfg) in [
+        ("chunks", RdmaTransport::default()),
+        (
+            "rendezvous",
+            RdmaTransport::default().rendezvous_threshold(Some(64 << 10)),
+        ),
+    ] {
+        let (client, mut server) = pair(&env, &cfg).await;
+        // Each send returns once its frame is queued, long before 64 MiB
+        // are across.
+        send(&client.sink, 1, &large)
+            .await
+            .expect("sends the large frame");
+        send(&client.sink, 2, &small)
+            .await
+            .expect("sends a small frame");
+        send(&client.sink, 1, &small)
+            .await
+            .expect("sends a small frame");
+        let mut arrived = Vec::new();
+        for _ in 0..3 {
+            let frame = recv(&mut server).await.expect("receives").expect("a frame");
+            let id = frame_id(&frame);
+            check(
+                &frame,
+                id as u64,
+                if frame.len() > 1024 { &large } else { &small },
+            );
+            arrived.push((id, frame.len() - HEAD_LEN));
+        }
+        assert_eq!(
+            arrived,
+            [(2, 32), (1, 64 << 20), (1, 32)],
+            "{path}: (call, payload length) in order of arrival"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
