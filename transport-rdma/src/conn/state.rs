@@ -352,7 +352,8 @@ impl State {
                 }
                 // SAFETY: `staging[offset..offset + len]` holds this chunk,
                 // allocated to it until the peer reports it freed (after the
-                // WRITE landed); the memory outlives the QP.
+                // WRITE landed); the memory outlives the QP. Unsignaled: the
+                // protocol queues the chunk's signaled SEND right after it.
                 unsafe {
                     self.qp.queue_write(
                         WorkKind::Write.wr_id(0),
@@ -360,6 +361,7 @@ impl State {
                         offset..offset + len,
                         mem.peer_region,
                         offset as u64,
+                        false,
                     )
                 }
             }

@@ -119,7 +119,9 @@ pub enum Transmit {
     },
     /// Copy `data` (if any) into the staging region at `offset`, then RDMA
     /// WRITE `staging[offset..offset + len]` to the peer's region at the same
-    /// offset (`WorkKind::Write`, index 0).
+    /// offset (`WorkKind::Write`, index 0), **unsignaled**: the `Chunk`
+    /// SEND that always comes next completes after it, so its own
+    /// completion would say nothing (a completion comes only if it fails).
     Write {
         /// Offset in staging and in the peer's region.
         offset: usize,
@@ -482,6 +484,7 @@ pub struct Connection {
     free_heap: Vec<u32>,
     heap_queued: bool,
     inline_max: usize,
+    /// Signaled send-queue requests posted and not completed.
     in_flight: u32,
     /// Send slots for data messages (the peer's ring slots); control and
     /// heap slots follow.
@@ -493,8 +496,6 @@ pub struct Connection {
     /// have a work request posted and not completed: a completion for one
     /// that has none is a broken verbs layer, not something to act on.
     posted: Vec<bool>,
-    /// RDMA WRITEs posted and not completed (they have no slot to mark).
-    writes_posted: u32,
     // receiving
     ring_slots: u32,
     slot_size: usize,
@@ -552,7 +553,6 @@ impl Connection {
             posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
                 .map(|i| i < cfg.ring_slots)
                 .collect(),
-            writes_posted: 0,
             ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.ring_slots),
@@ -960,8 +960,6 @@ impl Connection {
             pos,
             data,
         });
-        self.writes_posted += 1;
-        self.in_flight += 1;
     }
 
     /// Sends what the front of the queue allows, for as long as it allows
@@ -1208,9 +1206,8 @@ impl Connection {
         }
         let mut read = None;
         let was_posted = if kind == WorkKind::Write {
-            let posted = self.writes_posted > 0;
-            self.writes_posted = self.writes_posted.saturating_sub(1);
-            posted
+            // Unsignaled: a WRITE completes only if it failed.
+            wc.failure.is_some()
         } else if kind == WorkKind::Read {
             // An RC send queue completes in posting order.
             match self.reads.front() {
@@ -1236,7 +1233,7 @@ impl Connection {
             ));
             return;
         }
-        if kind != WorkKind::Recv {
+        if !matches!(kind, WorkKind::Recv | WorkKind::Write) {
             self.in_flight = self.in_flight.saturating_sub(1);
             // Whoever waits for everything to be sent sees it.
             self.wake.senders |= self.in_flight == 0;
@@ -1632,7 +1629,9 @@ impl Connection {
         self.queue.len()
     }
 
-    /// Work requests posted and not yet completed (receives excepted).
+    /// Signaled work requests posted and not yet completed (receives and
+    /// the unsignaled WRITEs excepted: each completes before the SEND
+    /// after it).
     pub fn in_flight(&self) -> u32 {
         self.in_flight
     }
@@ -1803,49 +1802,54 @@ mod tests {
         assert!(failure.contains("not posted"), "{failure}");
     }
 
-    #[test]
-    fn a_write_completion_with_no_write_posted_fails_the_connection() {
-        // Taken, it would count a SEND still in flight as done: the
-        // connection would look drained (and its driver stop) too early.
-        let mut conn = connection();
-        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
-            panic!("no room for an inline frame")
-        };
-        conn.queue_frame(reservation, None).unwrap();
-        while conn.poll_transmit().is_some() {}
-        assert_eq!(conn.in_flight(), 1);
-        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
-        let failure = conn
-            .failure()
-            .expect("a WRITE completion nobody posted was taken");
-        assert!(failure.contains("not posted"), "{failure}");
-
-        // A WRITE's wr_id has index 0; another one is out of range.
+    /// A connection that sent one 100-byte frame through the region, and
+    /// the requests it posted for it.
+    fn region_frame_posted() -> (Connection, Vec<Transmit>) {
         let mut conn = connection();
         let SendDecision::Encode(reservation) = conn.handle_send(100) else {
             panic!("no room for a region frame")
         };
         conn.queue_frame(reservation, None).unwrap();
-        while conn.poll_transmit().is_some() {}
+        let posted = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        (conn, posted)
+    }
+
+    #[test]
+    fn a_write_completion_fails_the_connection_with_its_reason_or_as_unexpected() {
+        // WRITEs go unsignaled: a successful completion for one is a
+        // broken verbs layer. Taken, it would count the SEND still in
+        // flight as done: the connection would look drained (and its
+        // driver stop) too early.
+        let (mut conn, posted) = region_frame_posted();
+        assert!(
+            matches!(posted[..], [Transmit::Write { .. }, Transmit::Send { .. }]),
+            "a WRITE, then the SEND that completes after it: {posted:?}"
+        );
+        assert_eq!(conn.in_flight(), 1, "only the SEND is signaled");
+        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
+        let failure = conn
+            .failure()
+            .expect("a successful WRITE completion was taken");
+        assert!(failure.contains("not posted"), "{failure}");
+
+        // A failed one reports why.
+        let (mut conn, _) = region_frame_posted();
+        conn.handle_completion(Completion {
+            wr_id: WorkKind::Write.wr_id(0),
+            failure: Some("IBV_WC_REM_ACCESS_ERR (status 10)"),
+            byte_len: 0,
+            header: &[],
+        });
+        let failure = conn.failure().expect("a failed WRITE was taken");
+        assert!(failure.contains("REM_ACCESS_ERR"), "{failure}");
+
+        // A WRITE's wr_id has index 0; another one is out of range.
+        let mut conn = connection();
         complete(&mut conn, WorkKind::Write.wr_id(7), &[]);
         let failure = conn
             .failure()
             .expect("a WRITE completion of index 7 was taken");
         assert!(failure.contains("out of range"), "{failure}");
-
-        // The WRITE posted completes once, then no more.
-        let mut conn = connection();
-        let SendDecision::Encode(reservation) = conn.handle_send(100) else {
-            panic!("no room for a region frame")
-        };
-        conn.queue_frame(reservation, None).unwrap();
-        while conn.poll_transmit().is_some() {}
-        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
-        assert_eq!(conn.failure(), None);
-        assert_eq!(conn.in_flight(), 1, "the SEND is still in flight");
-        complete(&mut conn, WorkKind::Write.wr_id(0), &[]);
-        let failure = conn.failure().expect("a second WRITE completion was taken");
-        assert!(failure.contains("not posted"), "{failure}");
     }
 
     #[test]

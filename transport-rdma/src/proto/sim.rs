@@ -255,8 +255,18 @@ fn send_frames(me: &mut Side) -> usize {
 fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
     send_frames(me);
     let mut posted = 0;
+    // An unsignaled WRITE was posted: the next send-queue request must be
+    // a signaled SEND (it completes after it and reclaims its entry).
+    let mut after_write = false;
     while let Some(t) = me.conn.poll_transmit() {
         posted += 1;
+        if after_write && !matches!(t, Transmit::Recv { .. }) {
+            assert!(
+                matches!(t, Transmit::Send { .. }),
+                "an unsignaled WRITE followed by {t:?}, not a SEND"
+            );
+            after_write = false;
+        }
         match t {
             Transmit::Recv { slot } => {
                 assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
@@ -279,8 +289,8 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 peer.region[offset..offset + len]
                     .copy_from_slice(&me.staging[offset..offset + len]);
                 peer.writes.push_back((pos, offset, len));
-                me.completions
-                    .push_back((WorkKind::Write.wr_id(0), 0, Vec::new()));
+                // Unsignaled: no completion.
+                after_write = true;
             }
             Transmit::Alloc { transfer, len } => {
                 assert!(
@@ -346,6 +356,10 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
             }
         }
     }
+    assert!(
+        !after_write,
+        "an unsignaled WRITE posted with no SEND after it"
+    );
     posted
 }
 

@@ -51,6 +51,8 @@ struct Queued {
     opcode: ffi::ibv_wr_opcode::Type,
     remote_addr: u64,
     rkey: u32,
+    /// Whether its completion is reported (`IBV_SEND_SIGNALED`).
+    signaled: bool,
 }
 
 /// An RC `ibv_qp` bound to a [`CmId`] (`rdma_create_qp`): the connection
@@ -247,16 +249,27 @@ impl QueuePair {
         mr: &MemoryRegion,
         range: Range<usize>,
     ) -> Result<()> {
-        self.queue(wr_id, mr, range, ffi::ibv_wr_opcode::IBV_WR_SEND, (0, 0))
+        self.queue(
+            wr_id,
+            mr,
+            range,
+            ffi::ibv_wr_opcode::IBV_WR_SEND,
+            (0, 0),
+            true,
+        )
     }
 
-    /// Queues a signaled RDMA WRITE of `mr[range]` to `remote` at
-    /// `remote_offset` (`IBV_WR_RDMA_WRITE`) for the next
-    /// [`post_queued`](Self::post_queued). The range is checked against
-    /// `remote` here.
+    /// Queues an RDMA WRITE of `mr[range]` to `remote` at `remote_offset`
+    /// (`IBV_WR_RDMA_WRITE`) for the next [`post_queued`](Self::post_queued).
+    /// The range is checked against `remote` here. An unsignaled WRITE
+    /// (`signaled` false) reports a completion only if it fails; a
+    /// signaled request queued after it completes after it (an RC send
+    /// queue completes in order), and must follow it, or its send-queue
+    /// entry is never reclaimed.
     ///
     /// # Safety
-    /// As [`post_send`](Self::post_send), from this call on.
+    /// As [`post_send`](Self::post_send), from this call on; unsignaled,
+    /// until the completion of a signaled request queued after it.
     pub unsafe fn queue_write(
         &mut self,
         wr_id: u64,
@@ -264,6 +277,7 @@ impl QueuePair {
         range: Range<usize>,
         remote: RemoteRegion,
         remote_offset: u64,
+        signaled: bool,
     ) -> Result<()> {
         remote.check(remote_offset, range.len() as u64)?;
         let target = (remote.addr + remote_offset, remote.rkey);
@@ -273,6 +287,7 @@ impl QueuePair {
             range,
             ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
             target,
+            signaled,
         )
     }
 
@@ -304,6 +319,7 @@ impl QueuePair {
             range,
             ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
             target,
+            true,
         )
     }
 
@@ -314,6 +330,7 @@ impl QueuePair {
         range: Range<usize>,
         opcode: ffi::ibv_wr_opcode::Type,
         (remote_addr, rkey): (u64, u32),
+        signaled: bool,
     ) -> Result<()> {
         self.check_pd(mr)?;
         let sge = mr.sge(range)?;
@@ -323,6 +340,7 @@ impl QueuePair {
             opcode,
             remote_addr,
             rkey,
+            signaled,
         });
         Ok(())
     }
@@ -417,11 +435,14 @@ impl SendPoster {
             for (i, q) in chunk.iter().enumerate() {
                 let inline = q.opcode != ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
                     && q.sge.length <= self.max_inline;
-                let inline_flag = if inline {
+                let mut flags = if inline {
                     ffi::ibv_send_flags::IBV_SEND_INLINE.0
                 } else {
                     0
                 };
+                if q.signaled {
+                    flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+                }
                 // SAFETY: `i < chunk.len() <= POST_BATCH`: within both
                 // arrays (and `i + 1` at most one past the end, where
                 // `next` is not used: the last request's is null).
@@ -437,7 +458,7 @@ impl SendPoster {
                         sg_list: sge_base.add(i),
                         num_sge: 1,
                         opcode: q.opcode,
-                        send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 | inline_flag,
+                        send_flags: flags,
                         imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t {
                             imm_data: 0,
                         },
