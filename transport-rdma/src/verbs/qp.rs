@@ -414,7 +414,7 @@ unsafe impl Sync for SendPoster {}
 
 impl SendPoster {
     /// Posts `batch`'s requests in order, linked into as few
-    /// `ibv_post_send` calls as [`POST_BATCH`] allows, and empties it. On
+    /// `ibv_post_send` calls as can be (32 requests each), and empties it. On
     /// an error the requests before the failed one were posted; none after
     /// it was.
     ///
