@@ -58,12 +58,12 @@
 //!   from a ring allocator both sides run in lock-step
 //!   ([`proto::RegionWriter`], [`proto::RegionReader`]); a `Chunk` SEND
 //!   follows each WRITE, which goes unsignaled (the SEND's completion
-//!   covers both: one completion per large frame or chunk, not two). Frames larger than half the region are encoded on
-//!   the heap and go in chunks of at most 64 KiB, four at most in flight;
-//!   small frames of other calls pass such a frame between its chunks, so
-//!   they wait behind at most 256 KiB of it in the send queue, not behind
-//!   the whole tensor. The receiver reports how far it has freed its region
-//!   in every header.
+//!   covers both: one completion per large frame or chunk, not two).
+//!   Frames larger than half the region are encoded on the heap and go in
+//!   chunks of at most 64 KiB, four at most in flight; small frames of
+//!   other calls pass such a frame between its chunks, so they wait behind
+//!   at most 256 KiB of it in the send queue, not behind the whole tensor.
+//!   The receiver reports how far it has freed its region in every header.
 //! - **Larger frames by rendezvous** (from
 //!   [`RdmaTransport::rendezvous_threshold`], off by default for now): the
 //!   sender encodes the frame into memory registered for that transfer
