@@ -497,6 +497,12 @@ impl<'a> OutFrame<'a> {
         self
     }
 
+    /// The call this frame belongs to (0: the connection's own frames).
+    /// Transports that let frames pass each other keep each call's in order.
+    pub fn call_id(&self) -> u64 {
+        self.call_id
+    }
+
     /// The encoded length of the whole frame.
     #[allow(clippy::len_without_is_empty)] // never empty: every frame has its head
     pub fn len(&self) -> usize {

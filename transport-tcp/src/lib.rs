@@ -37,9 +37,18 @@
 //!   payload, a prost `bytes` field) is held by reference and written from
 //!   where it is with vectored writes, in order with the frames around it.
 //!   Over TLS the segments go to the session one after the other.
+//! - **Large frames in pieces; small ones pass them.** A frame over
+//!   [`reader::PIECE_LEN`] (256 KiB) goes in pieces of that size, the
+//!   writer task sending one piece after each batch of queued frames, so
+//!   that a small call waits behind at most one piece instead of a whole
+//!   tensor. A call's own frames keep their order: once a call has a frame
+//!   in pieces, its later frames follow it. The socket holds at most
+//!   128 KiB unsent (`TCP_NOTSENT_LOWAT`), or the kernel's send buffer
+//!   (megabytes) would sit ahead of the small frame anyway.
 //!
-//! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer
-//! and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
+//! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer,
+//! and the rest of each piece straight into the buffer of the frame it
+//! belongs to, and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
 //! up to [`reader::COPY_UP_TO`] bytes, as a copy (cheaper for small frames
 //! than sharing the buffer). The buffer grows with the bytes that arrived, never
 //! with the length a peer announces; a frame over 64 KiB claims its length
@@ -91,7 +100,7 @@ use rpc_core::transport::{
 };
 
 use budget::ReadBudget;
-use outgoing::Outgoing;
+use outgoing::{Bulk, Outgoing};
 use reader::FrameReader;
 use tokio::io::AsyncRead;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -111,6 +120,9 @@ pub struct TcpTransport {
     dead_peer_timeout: Duration,
     read_budget: Arc<ReadBudget>,
 }
+
+/// Bytes a socket holds unsent at most (`TCP_NOTSENT_LOWAT`).
+const UNSENT_BYTES_MAX: u32 = 128 * 1024;
 
 /// The default of [`TcpTransport::read_budget`]: 256 MiB.
 pub const DEFAULT_READ_BUDGET: usize = 256 << 20;
@@ -146,6 +158,9 @@ impl TcpTransport {
             .with_interval(self.dead_peer_timeout / 8)
             .with_retries(4);
         socket.set_tcp_keepalive(&keepalive)?;
+        // Unsent bytes the kernel takes at most: a small frame written
+        // after a large one's pieces waits behind these too.
+        socket.set_tcp_notsent_lowat(UNSENT_BYTES_MAX)?;
         socket.set_tcp_user_timeout(Some(self.dead_peer_timeout))
     }
 
@@ -209,6 +224,7 @@ impl TcpTransport {
         let shared = Arc::new(SinkShared {
             state: Mutex::new(SinkState {
                 queued: Outgoing::default(),
+                bulk: Bulk::default(),
                 unfinished: Outgoing::default(),
                 spare: BytesMut::new(),
                 writer: Writer::Idle,
@@ -526,6 +542,9 @@ enum Writer {
 struct SinkState {
     /// Length-prefixed frames accepted and not yet taken by a writer.
     queued: Outgoing,
+    /// Large frames (and the frames of their calls after them), taken a
+    /// piece at a time, after what is `queued` at each write.
+    bulk: Bulk,
     /// The rest of a frame an inline write could not finish (the socket was
     /// full): the writer task sends it before anything in `queued`.
     unfinished: Outgoing,
@@ -553,10 +572,16 @@ impl SinkState {
     fn fail(&mut self, error: &io::Error) {
         self.failed = Some((error.kind(), error.to_string()));
         self.queued = Outgoing::default();
+        self.bulk.clear();
         self.unfinished = Outgoing::default();
         for waiter in self.waiters.drain(..) {
             waiter.wake();
         }
+    }
+
+    /// No frame waits for a writer.
+    fn nothing_queued(&self) -> bool {
+        self.queued.is_empty() && self.bulk.is_empty()
     }
 
     /// Gives the socket to the writer task, which sends what is left.
@@ -578,6 +603,7 @@ impl<W: WriteHalf> SinkShared<W> {
 
     /// Writes `frame` from the sender's own task: the socket was idle, so
     /// this is the lowest-latency path (no hand-over to another task).
+    #[inline(always)]
     fn send_inline(
         &self,
         mut state: std::sync::MutexGuard<'_, SinkState>,
@@ -639,7 +665,7 @@ impl<W: WriteHalf> SinkShared<W> {
                 return Err(TransportError::io("write to peer", error));
             }
         }
-        if all_out && state.queued.is_empty() && !state.closed {
+        if all_out && state.nothing_queued() && !state.closed {
             state.writer = Writer::Idle;
         } else {
             state.hand_to_task(&self.wake_writer);
@@ -670,7 +696,7 @@ struct ReleaseOnUnwind<'a, W: WriteHalf>(&'a SinkShared<W>);
 impl<W: WriteHalf> Drop for ReleaseOnUnwind<'_, W> {
     fn drop(&mut self) {
         let mut state = self.0.lock();
-        if state.queued.is_empty() && !state.closed {
+        if state.nothing_queued() && !state.closed {
             state.writer = Writer::Idle;
         } else {
             state.hand_to_task(&self.0.wake_writer);
@@ -695,7 +721,13 @@ impl<W: WriteHalf> FrameSink for TcpSink<W> {
         if state.closed {
             return Poll::Ready(Err(TransportError::Closed));
         }
-        if state.queued.len() >= self.shared.high_water {
+        let bulk = state.bulk.takes(frame);
+        let queued = if bulk {
+            state.bulk.queued_for(frame)
+        } else {
+            state.queued.len()
+        };
+        if queued >= self.shared.high_water {
             if !state.waiters.iter().any(|w| w.will_wake(cx.waker())) {
                 state.waiters.push(cx.waker().clone());
             }
@@ -707,6 +739,15 @@ impl<W: WriteHalf> FrameSink for TcpSink<W> {
                 "frame of {len} bytes does not fit a u32 length"
             ))));
         };
+        if bulk {
+            // In pieces, which the writer task sends between the other
+            // frames.
+            if state.writer == Writer::Idle {
+                state.hand_to_task(&self.shared.wake_writer);
+            }
+            state.bulk.push_frame(frame, prefix);
+            return Poll::Ready(Ok(()));
+        }
         let answers_peer = self.shared.received.swap(false, Ordering::Relaxed);
         if state.writer == Writer::Idle {
             if answers_peer {
@@ -777,8 +818,13 @@ async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
                     mem::swap(&mut state.unfinished, &mut batch);
                 } else {
                     mem::swap(&mut state.queued, &mut batch);
-                    for waiter in state.waiters.drain(..) {
-                        waiter.wake();
+                    // Then one piece of the bulk stream: a frame queued
+                    // meanwhile waits for at most this piece.
+                    state.bulk.take_piece(&mut batch);
+                    if !batch.is_empty() {
+                        for waiter in state.waiters.drain(..) {
+                            waiter.wake();
+                        }
                     }
                 }
                 // Idle only once every byte taken is out (over TLS, an
@@ -856,7 +902,9 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
         loop {
             match self.reader.next_frame() {
                 Ok(Some(frame)) => {
-                    self.release_claim();
+                    if !self.reader.holds_reservation() {
+                        self.release_claim();
+                    }
                     // More bytes already here mean more frames, so more
                     // senders to come: only a reader that has caught up with
                     // the peer lets the next send go inline.
@@ -877,11 +925,11 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
                     self.reader.reserve_frame();
                 }
             }
-            let limit = self.reader.read_limit();
+            let (buf, limit) = self.reader.read_target();
             let read = match ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.socket),
                 cx,
-                &mut self.reader.read_buf().limit(limit)
+                &mut buf.limit(limit)
             )) {
                 Ok(read) => read,
                 // TLS: the peer's socket closed without a `close_notify`
@@ -890,6 +938,7 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => 0,
                 Err(e) => return Poll::Ready(Err(TransportError::io("read from peer", e))),
             };
+            self.reader.received(read);
             if read == 0 {
                 return Poll::Ready(self.reader.end_of_stream());
             }

@@ -8,6 +8,7 @@ use std::mem;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
 
+use crate::reader::{PIECE, PIECE_LEN};
 use crate::WriteHalf;
 
 /// Most `iovec`s handed to one vectored write (Linux takes up to 1024).
@@ -84,6 +85,42 @@ impl Outgoing {
         self.tail = tail;
     }
 
+    /// Appends the first `n` bytes (at most [`len`](Self::len)) of `from`
+    /// as a piece of the bulk stream: its header, then the bytes, moved by
+    /// reference.
+    pub(crate) fn push_piece(&mut self, from: &mut Outgoing, n: usize) {
+        debug_assert!(n > 0 && n <= from.len() && n < PIECE as usize);
+        self.tail.put_u32_le(n as u32 | PIECE);
+        let mut left = n;
+        while left > 0 {
+            let part = match from.segments.front_mut() {
+                Some(front) if front.len() <= left => {
+                    let part = from.segments.pop_front().expect("a front");
+                    from.segments_len -= part.len();
+                    part
+                }
+                Some(front) => {
+                    from.segments_len -= left;
+                    front.split_to(left)
+                }
+                None => from.tail.split_to(left).freeze(),
+            };
+            left -= part.len();
+            self.push_segment(part);
+        }
+    }
+
+    /// Appends `segment` after everything, the tail included.
+    fn push_segment(&mut self, segment: Bytes) {
+        if !self.tail.is_empty() {
+            let tail = self.tail.split().freeze();
+            self.segments_len += tail.len();
+            self.segments.push_back(tail);
+        }
+        self.segments_len += segment.len();
+        self.segments.push_back(segment);
+    }
+
     /// Writes as much as the socket takes without waiting, and forgets it.
     pub(crate) fn try_write<W: WriteHalf>(&mut self, socket: &W) -> io::Result<()> {
         while !self.is_empty() {
@@ -136,6 +173,84 @@ impl Outgoing {
                 self.segments.pop_front();
             }
         }
+    }
+}
+
+/// The bulk stream: frames larger than [`PIECE_LEN`], and frames of calls
+/// that have such a frame in it (a call's frames stay in order), sent in
+/// pieces of at most [`PIECE_LEN`] between the connection's other frames.
+#[derive(Debug, Default)]
+pub(crate) struct Bulk {
+    out: Outgoing,
+    /// Bytes pushed into `out`, and taken out as pieces, so far.
+    pushed: u64,
+    taken: u64,
+    /// Calls with frames not all taken, each with where its last frame ends.
+    calls: VecDeque<(u64, u64)>,
+    /// Where the last frame larger than a piece ends.
+    large_end: u64,
+}
+
+impl Bulk {
+    /// Bytes not yet taken.
+    pub(crate) fn len(&self) -> usize {
+        self.out.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.out.is_empty()
+    }
+
+    /// Whether `frame` goes in the bulk stream.
+    pub(crate) fn takes(&self, frame: &OutFrame<'_>) -> bool {
+        frame.len() > PIECE_LEN
+            || (!self.calls.is_empty()
+                && self.calls.iter().any(|&(call, _)| call == frame.call_id()))
+    }
+
+    /// Bytes that count against the high-water mark for `frame`: for a
+    /// large frame all not yet taken, for a small one (queued behind its
+    /// call's large frame) those queued behind the last large frame.
+    pub(crate) fn queued_for(&self, frame: &OutFrame<'_>) -> usize {
+        if frame.len() > PIECE_LEN {
+            self.len()
+        } else {
+            (self.pushed - self.large_end.max(self.taken)) as usize
+        }
+    }
+
+    /// Appends `frame`, after its 4-byte length `prefix`.
+    pub(crate) fn push_frame(&mut self, frame: &OutFrame<'_>, prefix: u32) {
+        self.out.push_frame(frame, prefix);
+        self.pushed += 4 + frame.len() as u64;
+        self.calls.push_back((frame.call_id(), self.pushed));
+        if frame.len() > PIECE_LEN {
+            self.large_end = self.pushed;
+        }
+    }
+
+    /// Moves the next piece, up to [`PIECE_LEN`] bytes, to the end of `to`.
+    pub(crate) fn take_piece(&mut self, to: &mut Outgoing) {
+        let n = self.out.len().min(PIECE_LEN);
+        if n == 0 {
+            return;
+        }
+        to.push_piece(&mut self.out, n);
+        self.taken += n as u64;
+        while self
+            .calls
+            .front()
+            .is_some_and(|&(_, end)| end <= self.taken)
+        {
+            self.calls.pop_front();
+        }
+    }
+
+    /// Forgets everything.
+    pub(crate) fn clear(&mut self) {
+        self.out.clear();
+        self.calls.clear();
+        self.taken = self.pushed;
     }
 }
 

@@ -1,6 +1,11 @@
 //! TCP's byte stream cut into frames, with no I/O in it.
 //!
-//! Each frame is a 4-byte little-endian length and that many bytes.
+//! Each frame is a 4-byte little-endian length and that many bytes. A
+//! frame larger than [`PIECE_LEN`] goes in pieces instead, so that small
+//! frames can pass it: a piece is a 4-byte little-endian length with the
+//! [`PIECE`] bit set and that many bytes of a second stream of frames,
+//! the *bulk stream*, made the same way (length, frame). Pieces carry the
+//! bulk stream in order; the connection's own frames go between them.
 //! [`FrameReader`] holds what arrived, hands each whole frame out as a
 //! [`Bytes`] (a slice of its buffer, no copy, above [`COPY_UP_TO`] bytes; a
 //! copy of it up to that), skips frames over the limit as
@@ -8,7 +13,8 @@
 //! the bytes that arrived, never the length a peer announced**: each read
 //! asks for at most as many bytes again as have arrived, so a partial
 //! frame's buffer grows geometrically with real bytes (capacity ≤ 4 × bytes
-//! received + 2 × [`READ_CHUNK`], and ≤ 2 × the frame's length) — unless
+//! received + 2 × [`READ_CHUNK`] for each of the two streams, and ≤ 2 ×
+//! the frame's length) — unless
 //! the caller, having claimed a large frame's length from a budget of its
 //! own, has room made for all of it ([`FrameReader::reserve_frame`]).
 //!
@@ -34,6 +40,18 @@ pub const READ_CHUNK: usize = 64 * 1024;
 
 const PREFIX_LEN: usize = 4;
 
+/// The bit of a length prefix that makes it a piece's header: its other
+/// 31 bits are the piece's length.
+pub const PIECE: u32 = 1 << 31;
+
+/// Frames larger than this go in pieces of at most this many bytes. A
+/// small frame waits behind at most one piece or one frame this large
+/// (and what the socket holds unsent). A receiver takes pieces of any
+/// length. Smaller pieces cost more reads and writes: with 64 KiB, a
+/// 1 MiB echo took 15× the user-space instructions of one in 256 KiB
+/// pieces.
+pub const PIECE_LEN: usize = 256 * 1024;
+
 /// Frames up to this length are copied out of the buffer rather than
 /// handed out as slices of it. A slice shares the buffer: making it
 /// shareable allocates, and while the frame lives (a handler holds its
@@ -49,9 +67,241 @@ const PREFIX_LEN: usize = 4;
 /// the copy costs +650 (15,179 → 15,826). The default is what counts here.
 pub const COPY_UP_TO: usize = 4096;
 
-/// Cuts a byte stream into frames under [`FrameLimits`].
+/// Cuts a connection's byte stream into frames under [`FrameLimits`]:
+/// its own frames, and those of the bulk stream its pieces carry.
 #[derive(Debug)]
 pub struct FrameReader {
+    main: FrameStream,
+    bulk: FrameStream,
+    /// Bytes of the current piece still to arrive; they belong to `bulk`.
+    piece_left: usize,
+    /// The stream whose large partial frame the caller claimed a budget
+    /// for ([`reserve_frame`](Self::reserve_frame)), until it is handed up.
+    reserved: Option<Lane>,
+    /// The last [`read_target`](Self::read_target) was `bulk`'s buffer.
+    reading_piece: bool,
+    /// The last frame handed up came from the bulk stream.
+    after_bulk: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    Main,
+    Bulk,
+}
+
+impl FrameReader {
+    /// An empty reader.
+    pub fn new(limits: FrameLimits) -> FrameReader {
+        FrameReader {
+            main: FrameStream::new(limits),
+            bulk: FrameStream::new(limits),
+            piece_left: 0,
+            reserved: None,
+            reading_piece: false,
+            after_bulk: false,
+        }
+    }
+
+    fn stream(&mut self, lane: Lane) -> &mut FrameStream {
+        match lane {
+            Lane::Main => &mut self.main,
+            Lane::Bulk => &mut self.bulk,
+        }
+    }
+
+    /// The next whole frame from what arrived, of either stream; `Ok(None)`
+    /// when more bytes are needed. A frame over the limit is reported once
+    /// as [`TransportError::Oversized`] (with its head, to fail its call)
+    /// and its bytes dropped as they arrive; one over
+    /// [`FrameLimits::max_skip_len`] is [`TransportError::FrameTooLarge`]
+    /// and ends the connection, as does a piece of zero bytes.
+    #[inline]
+    pub fn next_frame(&mut self) -> Result<Option<Bytes>, TransportError> {
+        if self.piece_left == 0 && self.bulk.buf.is_empty() && self.main.piece_header().is_none() {
+            // No piece under way nor at the front: the connection's own frame.
+            return self.deliver_main();
+        }
+        self.next_frame_with_pieces()
+    }
+
+    /// [`next_frame`](Self::next_frame) when a piece is under way or at
+    /// the front.
+    #[inline(never)]
+    fn next_frame_with_pieces(&mut self) -> Result<Option<Bytes>, TransportError> {
+        loop {
+            if self.piece_left > 0 && !self.main.buf.is_empty() {
+                // Piece bytes read ahead with the connection's own.
+                let n = self.piece_left.min(self.main.buf.len());
+                self.bulk.extend_from_slice(&self.main.buf[..n]);
+                self.main.buf.advance(n);
+                self.piece_left -= n;
+            }
+            if !self.bulk.buf.is_empty() {
+                if let Some(frame) = self.bulk.next_frame()? {
+                    self.after_bulk = true;
+                    if self.reserved == Some(Lane::Bulk) {
+                        self.reserved = None;
+                    }
+                    return Ok(Some(frame));
+                }
+            }
+            if self.piece_left > 0 {
+                return Ok(None);
+            }
+            match self.main.piece_header() {
+                Some(0) => {
+                    return Err(TransportError::Protocol(
+                        "the peer sent a piece of zero bytes".into(),
+                    ))
+                }
+                Some(len) => {
+                    self.main.buf.advance(PREFIX_LEN);
+                    self.piece_left = len;
+                }
+                None => return self.deliver_main(),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn deliver_main(&mut self) -> Result<Option<Bytes>, TransportError> {
+        let frame = self.main.next_frame()?;
+        if frame.is_some() {
+            self.after_bulk = false;
+            if self.reserved == Some(Lane::Main) {
+                self.reserved = None;
+            }
+        }
+        Ok(frame)
+    }
+
+    /// The length of a frame that is deliverable, larger than
+    /// [`READ_CHUNK`] and not all here, when no budget is claimed yet
+    /// ([`reserve_frame`](Self::reserve_frame)): the frames that need the
+    /// process's read budget before more of them is read.
+    pub fn large_partial_frame(&self) -> Option<usize> {
+        if self.reserved.is_some() {
+            return None;
+        }
+        self.main
+            .large_partial_frame()
+            .or_else(|| self.bulk.large_partial_frame())
+    }
+
+    /// Makes room for the whole of the large partial frame
+    /// ([`large_partial_frame`](Self::large_partial_frame)), once the
+    /// caller has claimed its length from a budget: the rest of it is then
+    /// read in place, with one copy of what arrived before (about a
+    /// [`READ_CHUNK`]) instead of a copy of everything so far each time
+    /// the buffer doubles (as much again as the frame, in all). This
+    /// reserves address space for the announced length; its pages are
+    /// touched only as bytes arrive. The claim is the caller's until
+    /// [`holds_reservation`](Self::holds_reservation) turns false.
+    pub fn reserve_frame(&mut self) {
+        if self.reserved.is_some() {
+            return;
+        }
+        let lane = if self.main.large_partial_frame().is_some() {
+            Lane::Main
+        } else if self.bulk.large_partial_frame().is_some() {
+            Lane::Bulk
+        } else {
+            return;
+        };
+        self.stream(lane).reserve_frame();
+        self.reserved = Some(lane);
+    }
+
+    /// A frame room was made for is not handed up yet.
+    pub fn holds_reservation(&self) -> bool {
+        self.reserved.is_some()
+    }
+
+    /// The buffer the next read goes into, and at most how many bytes it
+    /// may take; then [`received`](Self::received) says how many it did.
+    /// The rest of a piece is read straight into the bulk stream's buffer
+    /// (in place, for a frame room was made for). While a bulk frame is
+    /// partial, and after one, the connection's own reads take at most
+    /// [`COPY_UP_TO`] bytes, so what they read ahead of the next piece,
+    /// and copy, stays small.
+    #[inline]
+    pub fn read_target(&mut self) -> (&mut BytesMut, usize) {
+        self.reading_piece = self.piece_left > 0 && self.main.buf.is_empty();
+        if self.reading_piece {
+            let limit = self.piece_left.min(self.bulk.read_limit());
+            return (self.bulk.read_buf(), limit);
+        }
+        let limit = if self.main.buf.is_empty() && (self.after_bulk || !self.bulk.buf.is_empty()) {
+            COPY_UP_TO
+        } else {
+            self.main.read_limit()
+        };
+        (self.main.read_buf(), limit)
+    }
+
+    /// `n` bytes were read into the last [`read_target`](Self::read_target).
+    pub fn received(&mut self, n: usize) {
+        if self.reading_piece {
+            self.piece_left -= n;
+        }
+    }
+
+    /// Appends bytes that arrived, as reads into
+    /// [`read_target`](Self::read_target) would (for tests and fuzzing).
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let (buf, limit) = self.read_target();
+            let n = limit.min(rest.len());
+            buf.extend_from_slice(&rest[..n]);
+            self.received(n);
+            rest = &rest[n..];
+        }
+    }
+
+    /// True when nothing is buffered: the reader has caught up with the peer.
+    pub fn is_caught_up(&self) -> bool {
+        self.main.buf.is_empty() && self.bulk.buf.is_empty() && self.piece_left == 0
+    }
+
+    /// Bytes buffered and not yet handed out.
+    pub fn buffered(&self) -> usize {
+        self.main.buf.len() + self.bulk.buf.len()
+    }
+
+    /// The buffers' capacity (what they hold in memory).
+    pub fn capacity(&self) -> usize {
+        self.main.buf.capacity() + self.bulk.buf.capacity()
+    }
+
+    /// What the peer closing its side now means: `Ok(None)` at a frame
+    /// boundary of both streams (an orderly end), else an `UnexpectedEof`
+    /// I/O error saying how much of which frame arrived.
+    pub fn end_of_stream(&self) -> Result<Option<Bytes>, TransportError> {
+        let what = if let Some(main) = self.main.unfinished() {
+            main
+        } else if self.piece_left > 0 {
+            format!("with {} bytes of a piece not yet sent", self.piece_left)
+        } else if let Some(bulk) = self.bulk.unfinished() {
+            format!("{bulk} sent in pieces")
+        } else {
+            return Ok(None);
+        };
+        Err(TransportError::io(
+            "read from peer",
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("peer closed the connection {what}"),
+            ),
+        ))
+    }
+}
+
+/// One stream of length-prefixed frames: the connection's own bytes, or
+/// the bulk stream its pieces carry.
+#[derive(Debug)]
+struct FrameStream {
     buf: BytesMut,
     limits: FrameLimits,
     /// Bytes of an oversized frame still to drop.
@@ -60,10 +310,9 @@ pub struct FrameReader {
     after_large: bool,
 }
 
-impl FrameReader {
-    /// An empty reader.
-    pub fn new(limits: FrameLimits) -> FrameReader {
-        FrameReader {
+impl FrameStream {
+    fn new(limits: FrameLimits) -> FrameStream {
+        FrameStream {
             buf: BytesMut::new(),
             limits,
             skip: 0,
@@ -77,7 +326,8 @@ impl FrameReader {
     /// its bytes dropped as they arrive; one over
     /// [`FrameLimits::max_skip_len`] is [`TransportError::FrameTooLarge`]
     /// and ends the connection.
-    pub fn next_frame(&mut self) -> Result<Option<Bytes>, TransportError> {
+    #[inline(always)]
+    fn next_frame(&mut self) -> Result<Option<Bytes>, TransportError> {
         if self.skip > 0 {
             let dropped = self.skip.min(self.buf.len());
             self.buf.advance(dropped);
@@ -129,7 +379,7 @@ impl FrameReader {
     /// The length of the frame at the front when it is deliverable, larger
     /// than [`READ_CHUNK`] and not all here: the frames that need the
     /// process's read budget before more of them is read.
-    pub fn large_partial_frame(&self) -> Option<usize> {
+    fn large_partial_frame(&self) -> Option<usize> {
         let len = self.announced()?;
         let incomplete = self.buf.len() < PREFIX_LEN + len;
         (len > READ_CHUNK && len <= self.limits.max_frame_len && incomplete).then_some(len)
@@ -143,7 +393,7 @@ impl FrameReader {
     /// the buffer doubles (as much again as the frame, in all). This
     /// reserves address space for the announced length; its pages are
     /// touched only as bytes arrive.
-    pub fn reserve_frame(&mut self) {
+    fn reserve_frame(&mut self) {
         let Some(len) = self.large_partial_frame() else {
             return;
         };
@@ -165,7 +415,7 @@ impl FrameReader {
     /// place); else [`READ_CHUNK`], or for a large partial frame what it
     /// still lacks, but at most as much again as has arrived (so the
     /// buffer grows geometrically with real bytes).
-    pub fn wanted(&self) -> usize {
+    fn wanted(&self) -> usize {
         let Some(len) = self.announced().filter(|&l| l <= self.limits.max_frame_len) else {
             return READ_CHUNK;
         };
@@ -183,7 +433,7 @@ impl FrameReader {
     /// ([`reserve_frame`](Self::reserve_frame)) is copied once: reading
     /// only its head first keeps that copy to 4 KiB instead of 64 KiB (all
     /// of a 64 KiB frame), for one more read when a small frame follows.
-    pub fn read_limit(&self) -> usize {
+    fn read_limit(&self) -> usize {
         if self.after_large && self.buf.is_empty() {
             COPY_UP_TO
         } else {
@@ -191,16 +441,8 @@ impl FrameReader {
         }
     }
 
-    /// The buffer to read into, with room for [`wanted`](Self::wanted) bytes.
-    pub fn read_buf(&mut self) -> &mut BytesMut {
-        let want = self.wanted();
-        self.buf.reserve(want);
-        &mut self.buf
-    }
-
-    /// Appends bytes that arrived (what a read into
-    /// [`read_buf`](Self::read_buf) does; for tests and fuzzing).
-    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+    /// Appends bytes, growing the buffer as reads would.
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         while !rest.is_empty() {
             let n = self.wanted().min(self.read_limit()).min(rest.len());
@@ -209,29 +451,29 @@ impl FrameReader {
         }
     }
 
-    /// True when nothing is buffered: the reader has caught up with the peer.
-    pub fn is_caught_up(&self) -> bool {
-        self.buf.is_empty()
-    }
-
-    /// Bytes buffered and not yet handed out.
-    pub fn buffered(&self) -> usize {
-        self.buf.len()
-    }
-
-    /// The buffer's capacity (what it holds in memory).
-    pub fn capacity(&self) -> usize {
-        self.buf.capacity()
-    }
-
-    /// What the peer closing its side now means: `Ok(None)` at a frame
-    /// boundary (an orderly end), else an `UnexpectedEof` I/O error saying
-    /// how much of which frame arrived.
-    pub fn end_of_stream(&self) -> Result<Option<Bytes>, TransportError> {
-        if self.buf.is_empty() && self.skip == 0 {
-            return Ok(None);
+    /// The length of the piece whose header is at the front, if one is.
+    fn piece_header(&self) -> Option<usize> {
+        if self.skip > 0 || self.buf.len() < PREFIX_LEN {
+            return None;
         }
-        let what = match self.announced() {
+        let prefix = u32::from_le_bytes(self.buf[..PREFIX_LEN].try_into().expect("4 bytes"));
+        (prefix & PIECE != 0).then_some((prefix & !PIECE) as usize)
+    }
+
+    /// The buffer to read into, with room for [`wanted`](Self::wanted) bytes.
+    fn read_buf(&mut self) -> &mut BytesMut {
+        let want = self.wanted();
+        self.buf.reserve(want);
+        &mut self.buf
+    }
+
+    /// Where this stream stands if the peer closes now: `None` at a frame
+    /// boundary, else how much of which frame arrived.
+    fn unfinished(&self) -> Option<String> {
+        if self.buf.is_empty() && self.skip == 0 {
+            return None;
+        }
+        Some(match self.announced() {
             Some(len) => format!(
                 "after {} of the {len} bytes of a frame",
                 self.buf.len() - PREFIX_LEN
@@ -241,17 +483,9 @@ impl FrameReader {
                 self.skip - self.buf.len()
             ),
             None => format!("after {} of a frame's 4 length bytes", self.buf.len()),
-        };
-        Err(TransportError::io(
-            "read from peer",
-            io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("peer closed the connection {what}"),
-            ),
-        ))
+        })
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,13 +502,159 @@ mod tests {
         v
     }
 
+    fn piece(bytes: &[u8]) -> Vec<u8> {
+        let mut v = (bytes.len() as u32 | PIECE).to_le_bytes().to_vec();
+        v.extend_from_slice(bytes);
+        v
+    }
+
+    /// Two large frames in pieces of `PIECE_LEN` with a small frame after
+    /// each piece (as a busy writer sends them): the wire, and the frames
+    /// in the order they must come out.
+    fn interleaved(large: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
+        let bodies: Vec<Vec<u8>> = (0..2u8)
+            .map(|f| (0..large).map(|i| (i % 251) as u8 ^ f).collect())
+            .collect();
+        let bulk: Vec<u8> = bodies.iter().flat_map(|b| framed(b)).collect();
+        let (mut wire, mut expected) = (Vec::new(), Vec::new());
+        let mut sent = 0;
+        for (i, chunk) in bulk.chunks(PIECE_LEN).enumerate() {
+            wire.extend_from_slice(&piece(chunk));
+            sent += chunk.len();
+            // A frame is out once its last piece is.
+            for (f, body) in bodies.iter().enumerate() {
+                let end = (f + 1) * (PREFIX_LEN + large);
+                if sent >= end && sent - chunk.len() < end {
+                    expected.push(body.clone());
+                }
+            }
+            let small = vec![i as u8; 1 + i % 40];
+            wire.extend_from_slice(&framed(&small));
+            expected.push(small);
+        }
+        (wire, expected)
+    }
+
+    #[test]
+    fn small_frames_between_the_pieces_of_large_ones_come_out_first_and_whole() {
+        let (wire, expected) = interleaved(3 * PIECE_LEN + 1000);
+        for split in [1, 7, 4096, 100_003, wire.len()] {
+            let mut r = reader();
+            let mut frames = Vec::new();
+            for bytes in wire.chunks(split) {
+                r.extend_from_slice(bytes);
+                if r.large_partial_frame().is_some() {
+                    r.reserve_frame();
+                }
+                while let Some(frame) = r.next_frame().unwrap() {
+                    frames.push(frame.to_vec());
+                }
+            }
+            assert_eq!(frames.len(), expected.len(), "split {split}");
+            assert!(frames == expected, "split {split}: frames differ");
+            assert!(r.is_caught_up() && !r.holds_reservation());
+            assert!(matches!(r.end_of_stream(), Ok(None)));
+        }
+    }
+
+    #[test]
+    fn pieces_are_read_in_place_into_the_frame_room_was_made_for() {
+        let len = 1 << 20;
+        let body: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        let mut wire = Vec::new();
+        for chunk in framed(&body).chunks(PIECE_LEN) {
+            wire.extend_from_slice(&piece(chunk));
+            wire.extend_from_slice(&framed(b"small"));
+        }
+        let mut r = reader();
+        let (mut at, mut copied, mut start) = (0, 0, None);
+        let mut frames = Vec::new();
+        while at < wire.len() {
+            if r.large_partial_frame().is_some() {
+                r.reserve_frame();
+                start = Some(r.bulk.buf.as_ptr());
+            }
+            let piece_bytes = r.piece_left > 0 && r.main.buf.is_empty();
+            let (buf, limit) = r.read_target();
+            // As a read does: at most the buffer's spare room.
+            let n = limit.min(wire.len() - at).min(buf.capacity() - buf.len());
+            buf.extend_from_slice(&wire[at..at + n]);
+            r.received(n);
+            if !piece_bytes {
+                copied += n;
+            }
+            at += n;
+            while let Some(frame) = r.next_frame().unwrap() {
+                frames.push(frame);
+            }
+        }
+        assert_eq!(frames.len(), len / PIECE_LEN + 2);
+        let large = frames
+            .iter()
+            .find(|f| f.len() == len)
+            .expect("the large frame");
+        assert!(large == &body[..]);
+        assert_eq!(
+            large.as_ptr(),
+            start.expect("room made").wrapping_add(PREFIX_LEN)
+        );
+        // Read ahead with the connection's own frames, and copied: at
+        // most a `COPY_UP_TO` a piece.
+        assert!(
+            copied <= (len / PIECE_LEN + 1) * COPY_UP_TO + READ_CHUNK,
+            "{copied} bytes read outside the pieces' buffer"
+        );
+    }
+
+    #[test]
+    fn an_oversized_frame_in_pieces_is_reported_and_dropped_while_small_ones_pass() {
+        let mut r = FrameReader::new(FrameLimits { max_frame_len: 100 });
+        let body: Vec<u8> = (0..150u8).collect();
+        let bulk = framed(&body);
+        r.extend_from_slice(&piece(&bulk[..60]));
+        r.extend_from_slice(&framed(b"one"));
+        r.extend_from_slice(&piece(&bulk[60..]));
+        r.extend_from_slice(&framed(b"two"));
+        assert!(matches!(
+            r.next_frame(),
+            Err(TransportError::Oversized {
+                len: 150,
+                max: 100,
+                ..
+            })
+        ));
+        assert_eq!(r.next_frame().unwrap().unwrap(), "one");
+        assert_eq!(r.next_frame().unwrap().unwrap(), "two");
+        assert!(r.is_caught_up());
+    }
+
+    #[test]
+    fn a_piece_of_zero_bytes_ends_the_connection_and_an_unfinished_piece_is_an_unexpected_eof() {
+        let mut r = reader();
+        r.extend_from_slice(&PIECE.to_le_bytes());
+        assert!(matches!(r.next_frame(), Err(TransportError::Protocol(_))));
+        let mut r = reader();
+        r.extend_from_slice(&piece(&framed(b"abcdef"))[..9]);
+        assert_eq!(r.next_frame().unwrap(), None);
+        match r.end_of_stream() {
+            Err(TransportError::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
+                assert!(
+                    source.to_string().contains("5 bytes of a piece"),
+                    "{source}"
+                );
+            }
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+    }
+
     #[test]
     fn an_announced_maximal_frame_reserves_nothing_for_bytes_not_sent() {
         let mut r = reader();
         r.extend_from_slice(&(MAX as u32).to_le_bytes());
         r.extend_from_slice(&[7; 100]);
         assert_eq!(r.next_frame().unwrap(), None);
-        let _ = r.read_buf();
+        let _ = r.read_target();
         assert!(
             r.capacity() <= 2 * READ_CHUNK,
             "capacity {} for 104 bytes received",
@@ -297,7 +677,7 @@ mod tests {
             "capacity {}",
             r.capacity()
         );
-        let start = r.read_buf().as_ptr();
+        let start = r.read_target().0.as_ptr();
         for piece in wire[READ_CHUNK..].chunks(100_003) {
             r.extend_from_slice(piece);
         }
@@ -314,18 +694,19 @@ mod tests {
         let large = READ_CHUNK + 1;
         r.extend_from_slice(&framed(&[1; 100]));
         r.next_frame().unwrap().unwrap();
-        assert_eq!(r.read_limit(), usize::MAX, "after a small frame");
+        assert_eq!(r.read_target().1, usize::MAX, "after a small frame");
         let mut wire = framed(&vec![2; large]);
         wire.extend_from_slice(&framed(&vec![3; large]));
         r.extend_from_slice(&wire[..READ_CHUNK]);
-        assert_eq!(r.read_limit(), usize::MAX, "inside a frame");
+        assert_eq!(r.read_target().1, usize::MAX, "inside a frame");
         r.reserve_frame();
         r.extend_from_slice(&wire[READ_CHUNK..PREFIX_LEN + large]);
         assert_eq!(r.next_frame().unwrap().unwrap().len(), large);
-        assert_eq!(r.read_limit(), COPY_UP_TO, "after a large frame");
+        assert_eq!(r.read_target().1, COPY_UP_TO, "after a large frame");
         // The next frame's head arrives with no room made yet: only that
         // much is copied when room is.
-        r.extend_from_slice(&wire[PREFIX_LEN + large..][..r.read_limit()]);
+        let head = r.read_target().1;
+        r.extend_from_slice(&wire[PREFIX_LEN + large..][..head]);
         assert_eq!(r.buffered(), COPY_UP_TO);
         r.reserve_frame();
         r.extend_from_slice(&wire[2 * PREFIX_LEN + large + COPY_UP_TO - PREFIX_LEN..]);
@@ -338,8 +719,10 @@ mod tests {
         r.extend_from_slice(&(MAX as u32).to_le_bytes());
         let mut received = 4;
         for _ in 0..200 {
-            let n = r.wanted().min(37_000);
-            r.read_buf().extend_from_slice(&vec![1; n]);
+            let (buf, _) = r.read_target();
+            let n = (buf.capacity() - buf.len()).min(37_000);
+            buf.extend_from_slice(&vec![1; n]);
+            r.received(n);
             received += n;
             assert!(
                 r.capacity() <= 4 * received + 2 * READ_CHUNK,

@@ -11,6 +11,7 @@ use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
 use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use transport_tcp::reader::FrameReader;
 use transport_tcp::TcpTransport;
 
 const LIMITS: FrameLimits = FrameLimits {
@@ -18,13 +19,18 @@ const LIMITS: FrameLimits = FrameLimits {
 };
 
 /// A sink connected to a plain socket the test reads from.
-async fn connect(transport: TcpTransport) -> (Connection, TcpStream) {
+async fn connect(transport: TcpTransport) -> (Connection, Peer) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let authority = listener.local_addr().unwrap().to_string();
     let (connection, accepted) = tokio::join!(transport.connect(&authority, LIMITS), async {
         listener.accept().await.unwrap().0
     });
-    (connection.unwrap(), accepted)
+    let peer = Peer {
+        socket: accepted,
+        reader: FrameReader::new(LIMITS),
+        slow: false,
+    };
+    (connection.unwrap(), peer)
 }
 
 /// A payload naming its sender and sequence number, `len` bytes long (at least 8).
@@ -67,16 +73,44 @@ fn spawn_senders(
         .collect()
 }
 
-/// Reads one length-prefixed frame; `None` at end-of-stream.
-async fn read_frame(socket: &mut TcpStream) -> Option<Frame> {
-    let mut len = [0u8; 4];
-    socket.read_exact(&mut len).await.ok()?;
-    let mut frame = vec![0u8; u32::from_le_bytes(len) as usize];
-    socket
-        .read_exact(&mut frame)
-        .await
-        .expect("a frame is never cut short");
-    Some(Frame::decode(frame.into()).expect("frames arrive whole, never interleaved"))
+/// The test's end of the connection: its socket, read through the
+/// transport's own frame reader (frames and the pieces of large ones).
+struct Peer {
+    socket: TcpStream,
+    reader: FrameReader,
+    /// Reads of at most 8 KiB, with a pause now and then, so that the
+    /// sender's socket stays full.
+    slow: bool,
+}
+
+impl Peer {
+    /// The next frame; `None` at end-of-stream.
+    async fn frame(&mut self) -> Option<Frame> {
+        let mut reads = 0u32;
+        loop {
+            if let Some(frame) = self.reader.next_frame().expect("frames arrive whole") {
+                return Some(Frame::decode(frame).expect("frames arrive whole, never interleaved"));
+            }
+            if self.reader.large_partial_frame().is_some() {
+                self.reader.reserve_frame();
+            }
+            let (buf, limit) = self.reader.read_target();
+            let limit = if self.slow { limit.min(8 << 10) } else { limit };
+            let read = self.socket.read_buf(&mut buf.limit(limit)).await.unwrap();
+            self.reader.received(read);
+            if read == 0 {
+                assert!(
+                    self.reader.end_of_stream().is_ok(),
+                    "a frame is never cut short"
+                );
+                return None;
+            }
+            reads += 1;
+            if self.slow && reads % 32 == 31 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
 }
 
 /// Checks that `frame` is message `seq` of `sender`, intact.
@@ -109,7 +143,7 @@ async fn concurrent_senders_frames_arrive_whole_and_in_order() {
     let senders = spawn_senders(&connection.sink, SENDERS, EACH, |_, seq| size_of(seq));
     let mut next = [0u32; SENDERS as usize];
     for _ in 0..SENDERS * EACH {
-        let frame = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut peer))
+        let frame = tokio::time::timeout(Duration::from_secs(20), peer.frame())
             .await
             .expect("no stall")
             .expect("no early end-of-stream");
@@ -133,34 +167,17 @@ fn mixed_size_of(sender: u32, seq: u32) -> usize {
     }
 }
 
-/// Reads one frame the slow way: small reads, with a pause now and then,
-/// so that the sender's socket stays full.
-async fn read_frame_slowly(socket: &mut TcpStream) -> Option<Frame> {
-    let mut len = [0u8; 4];
-    socket.read_exact(&mut len).await.ok()?;
-    let mut frame = vec![0u8; u32::from_le_bytes(len) as usize];
-    for (i, chunk) in frame.chunks_mut(8 << 10).enumerate() {
-        socket
-            .read_exact(chunk)
-            .await
-            .expect("a frame is never cut short");
-        if i % 32 == 31 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }
-    Some(Frame::decode(frame.into()).expect("frames arrive whole, never interleaved"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_frames_between_small_ones_arrive_whole_and_in_order_to_a_slow_peer() {
     const SENDERS: u32 = 4;
     const EACH: u32 = 12;
     let (connection, mut peer) = connect(TcpTransport::default().write_high_water(64 << 10)).await;
+    peer.slow = true;
     let sink = Arc::clone(&connection.sink);
     let senders = spawn_senders(&sink, SENDERS, EACH, mixed_size_of);
     let mut next = [0u32; SENDERS as usize];
     for _ in 0..SENDERS * EACH {
-        let frame = tokio::time::timeout(Duration::from_secs(30), read_frame_slowly(&mut peer))
+        let frame = tokio::time::timeout(Duration::from_secs(30), peer.frame())
             .await
             .expect("no stall")
             .expect("no early end-of-stream");
@@ -176,13 +193,8 @@ async fn large_frames_between_small_ones_arrive_whole_and_in_order_to_a_slow_pee
     let last = payload(0, EACH, 3 << 20);
     send(&*sink, 0, &last).await.unwrap();
     connection.sink.close();
-    check(
-        &read_frame_slowly(&mut peer).await.unwrap(),
-        0,
-        EACH,
-        3 << 20,
-    );
-    assert!(read_frame(&mut peer).await.is_none());
+    check(&peer.frame().await.unwrap(), 0, EACH, 3 << 20);
+    assert!(peer.frame().await.is_none());
 }
 
 #[tokio::test]
@@ -197,10 +209,10 @@ async fn frame_the_socket_cut_short_is_finished_before_queued_frames() {
     for seq in 1..=20 {
         send(&*sink, 1, &payload(1, seq, 100)).await.unwrap();
     }
-    let frame = read_frame(&mut peer).await.unwrap();
+    let frame = peer.frame().await.unwrap();
     check(&frame, 1, 0, big);
     for seq in 1..=20 {
-        check(&read_frame(&mut peer).await.unwrap(), 1, seq, 100);
+        check(&peer.frame().await.unwrap(), 1, seq, 100);
     }
 }
 
@@ -231,7 +243,7 @@ async fn back_pressure_holds_senders_until_the_peer_reads() {
         })
     };
     for seq in 0..sent + 100 {
-        check(&read_frame(&mut peer).await.unwrap(), 1, seq, 1024);
+        check(&peer.frame().await.unwrap(), 1, seq, 1024);
     }
     sender.await.unwrap();
 }
@@ -258,7 +270,7 @@ async fn peer_reset_fails_the_waiting_sender_and_later_ones() {
         !waiting.is_finished(),
         "the sender waits while the peer does not read"
     );
-    socket2::SockRef::from(&peer)
+    socket2::SockRef::from(&peer.socket)
         .set_linger(Some(Duration::ZERO))
         .unwrap();
     drop(peer);
@@ -276,6 +288,16 @@ async fn peer_reset_fails_the_waiting_sender_and_later_ones() {
 async fn close_sends_every_accepted_frame_then_end_of_stream() {
     let (connection, mut peer) = connect(TcpTransport::default()).await;
     let sink = Arc::clone(&connection.sink);
+    let reader = tokio::spawn(async move {
+        let mut next = [0u32; 4];
+        while let Some(frame) = peer.frame().await {
+            let sender = frame.call_id as u32;
+            let seq = next[sender as usize];
+            check(&frame, sender, seq, size_of(seq));
+            next[sender as usize] += 1;
+        }
+        next
+    });
     let senders = spawn_senders(&sink, 4, 200, |_, seq| size_of(seq));
     for sender in senders {
         sender.await.unwrap();
@@ -283,15 +305,9 @@ async fn close_sends_every_accepted_frame_then_end_of_stream() {
     sink.close();
     let refused = send(&*sink, 9, &payload(9, 0, 64)).await.unwrap_err();
     assert!(refused.contains("closed"), "{refused}");
-    let mut next = [0u32; 4];
-    while let Some(frame) = read_frame(&mut peer).await {
-        let sender = frame.call_id as u32;
-        let seq = next[sender as usize];
-        check(&frame, sender, seq, size_of(seq));
-        next[sender as usize] += 1;
-    }
     assert_eq!(
-        next, [200; 4],
+        reader.await.unwrap(),
+        [200; 4],
         "every accepted frame arrived before end-of-stream"
     );
 }
@@ -301,7 +317,7 @@ async fn sink_still_sends_after_the_source_sees_end_of_stream() {
     // A peer that shut down its write side (half-close) still gets replies:
     // end-of-stream on the read half closes nothing on the write half.
     let (mut connection, mut peer) = connect(TcpTransport::default()).await;
-    peer.shutdown().await.unwrap();
+    peer.socket.shutdown().await.unwrap();
     let received = std::future::poll_fn(|cx| connection.source.poll_recv(cx)).await;
     assert!(
         matches!(received, Ok(None)),
@@ -311,8 +327,32 @@ async fn sink_still_sends_after_the_source_sees_end_of_stream() {
     send(&*connection.sink, 1, &payload(1, 0, 100))
         .await
         .unwrap();
-    let frame = read_frame(&mut peer).await.expect("the reply arrives");
+    let frame = peer.frame().await.expect("the reply arrives");
     check(&frame, 1, 0, 100);
     connection.sink.close();
-    assert!(read_frame(&mut peer).await.is_none(), "then end-of-stream");
+    assert!(peer.frame().await.is_none(), "then end-of-stream");
+}
+
+#[tokio::test]
+async fn small_frames_of_other_calls_pass_a_large_frame_sent_in_pieces() {
+    let (connection, mut peer) = connect(TcpTransport::default()).await;
+    let sink = Arc::clone(&connection.sink);
+    let large = (64 << 20) - 64; // with its head, under the test's limit
+                                 // Each send returns once its frame is queued; the peer reads nothing
+                                 // yet, so the large frame is far from out when the others are sent.
+    send(&*sink, 1, &payload(1, 0, large)).await.unwrap();
+    send(&*sink, 2, &payload(2, 0, 32)).await.unwrap();
+    send(&*sink, 1, &payload(1, 1, 32)).await.unwrap();
+    send(&*sink, 0, &payload(0, 0, 32)).await.unwrap();
+    let mut arrived = Vec::new();
+    for _ in 0..4 {
+        let frame = peer.frame().await.unwrap();
+        let sender = frame.call_id as u32;
+        let len = frame.payload.as_ref().unwrap().len();
+        let seq = u32::from(sender == 1 && len == 32);
+        check(&frame, sender, seq, len);
+        arrived.push((sender, len));
+    }
+    // Call 1's small frame stays behind its large one.
+    assert_eq!(arrived, [(2, 32), (0, 32), (1, large), (1, 32)]);
 }
