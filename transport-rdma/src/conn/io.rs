@@ -13,7 +13,7 @@ use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
 use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
 use crate::proto::{
-    self, Announcement, Delivered, EncodeInto, Reservation, SendDecision, ANNOUNCE_BODY_LEN,
+    Announcement, Delivered, EncodeInto, Reservation, SendDecision, ANNOUNCE_BODY_LEN,
     ANNOUNCE_PREFIX_LEN, HEADER_LEN,
 };
 use crate::verbs::{Access, MemoryRegion};
@@ -125,24 +125,24 @@ impl RdmaSink {
     /// places it; `Pending` while there is no room. See
     /// [`FrameSink::poll_send`].
     ///
-    /// `stream` (a byte stream's bytes, not rpc-core's frames): bytes that
-    /// would wait for the peer's credits anyway are appended to the frame
-    /// already waiting, if it has room ([`proto::Connection::append_inline`]),
-    /// and nothing passes anything. Frames carry their call id (bytes
-    /// 4..12, [`proto::lane`]): a small frame may pass a large frame of
-    /// another call still being sent.
+    /// `call`: the rpc-core call the frame belongs to; a small frame may
+    /// pass a large frame of another call still being sent. `None` for a
+    /// byte stream's bytes: those that would wait for the peer's credits
+    /// anyway are appended to the frame already waiting, if it has room
+    /// ([`proto::Connection::append_inline`]), and nothing passes anything.
     ///
     /// [`proto::Connection::append_inline`]: crate::proto::Connection::append_inline
     pub(crate) fn poll_send_with(
         &self,
         cx: &mut Context<'_>,
         len: usize,
-        stream: bool,
+        call: Option<u64>,
         encode: impl FnOnce(&mut dyn BufMut),
     ) -> Poll<Result<(), TransportError>> {
         let shared = &*self.shared;
         let mem = &shared.mem;
         let mut st = shared.lock();
+        let stream = call.is_none();
         if let Some((slot, at)) = stream.then(|| st.proto.append_inline(len)).flatten() {
             let start = mem.send_slot(slot).start + HEADER_LEN + at;
             // SAFETY: the slot holds a frame queued and not posted (the
@@ -163,11 +163,9 @@ impl RdmaSink {
             }
             SendDecision::Refused(refusal) => return Poll::Ready(Err(refusal_error(refusal))),
         };
-        let mut in_slot = None;
         let in_place = match st.proto.encode_into(&reservation) {
             EncodeInto::SendSlot { slot } => {
                 let start = mem.send_slot(slot).start + HEADER_LEN;
-                in_slot = Some(start);
                 // SAFETY: the slot was free: no posted send and no other
                 // slice covers it; it is inside the send region (len fits a
                 // slot after the header: len <= inline_max).
@@ -187,19 +185,8 @@ impl RdmaSink {
             };
             encode(&mut dst);
             encoding.encoded();
-            let lane = match in_slot {
-                Some(start) if !stream => {
-                    // A raw copy of bytes just written, in a slot no
-                    // request uses yet.
-                    let mut call = [0; 12];
-                    let n = len.min(call.len());
-                    mem.send.read_into(start, &mut call[..n]);
-                    proto::lane(&call[..n])
-                }
-                _ => None,
-            };
             st.proto
-                .queue_frame(reservation.in_lane(lane), None)
+                .queue_frame(reservation.in_lane(call), None)
                 .expect("a frame encoded in place under the lock is always queued");
         } else if let EncodeInto::Rendezvous { slot, transfer } = st.proto.encode_into(&reservation)
         {
@@ -260,8 +247,7 @@ impl RdmaSink {
             encode(&mut data);
             std::mem::forget(encoding);
             st = shared.lock();
-            let lane = if stream { None } else { proto::lane(&data) };
-            let reservation = reservation.in_lane(lane);
+            let reservation = reservation.in_lane(call);
             if let Err(refusal) = st.proto.queue_frame(reservation, Some(Bytes::from(data))) {
                 st.wake();
                 return Poll::Ready(Err(refusal_error(refusal)));
@@ -329,7 +315,9 @@ impl FrameSink for RdmaSink {
         cx: &mut Context<'_>,
         frame: &OutFrame<'_>,
     ) -> Poll<Result<(), TransportError>> {
-        self.poll_send_with(cx, frame.len(), false, |dst| frame.encode(dst))
+        self.poll_send_with(cx, frame.len(), Some(frame.call_id()), |dst| {
+            frame.encode(dst)
+        })
     }
 
     fn close(&self) {
