@@ -258,6 +258,61 @@ impl Bulk {
 mod tests {
     use super::*;
 
+    fn bytes_of(out: &Outgoing) -> Vec<u8> {
+        let mut all: Vec<u8> = out.segments.iter().flat_map(|s| s.to_vec()).collect();
+        all.extend_from_slice(&out.tail);
+        all
+    }
+
+    #[test]
+    fn pieces_carry_the_bulk_stream_whole_and_a_call_stays_in_order_behind_its_large_frame() {
+        use crate::reader::FrameReader;
+        use rpc_core::frame::{Frame, OutBody};
+        use rpc_core::transport::FrameLimits;
+        let large = Bytes::from(
+            (0..PIECE_LEN * 2 + 1000)
+                .map(|i| i as u8)
+                .collect::<Vec<_>>(),
+        );
+        let small = Bytes::from_static(b"small");
+        let frame =
+            |call, payload| OutFrame::control(call, OutBody::Message, false).with_payload(payload);
+        let mut bulk = Bulk::default();
+        let (large_frame, small_1, small_2) =
+            (frame(1, &large), frame(1, &small), frame(2, &small));
+        assert!(bulk.takes(&large_frame) && !bulk.takes(&small_1));
+        bulk.push_frame(&large_frame, large_frame.len() as u32);
+        // Call 1 has a frame in the bulk stream: its small frame follows it
+        // there; call 2's does not.
+        assert!(bulk.takes(&small_1) && !bulk.takes(&small_2));
+        bulk.push_frame(&small_1, small_1.len() as u32);
+        assert_eq!(bulk.queued_for(&small_1), 4 + small_1.len());
+        // The wire: a piece, then call 2's frame (the connection's own),
+        // then the other pieces.
+        let mut wire = Outgoing::default();
+        bulk.take_piece(&mut wire);
+        wire.push_frame(&small_2, small_2.len() as u32);
+        while !bulk.is_empty() {
+            bulk.take_piece(&mut wire);
+        }
+        assert!(
+            bulk.is_empty() && !bulk.takes(&small_1),
+            "all taken: call 1 is free again"
+        );
+        let bytes = bytes_of(&wire);
+        let mut reader = FrameReader::new(FrameLimits {
+            max_frame_len: 16 << 20,
+        });
+        reader.extend_from_slice(&bytes);
+        let mut calls = Vec::new();
+        while let Some(frame) = reader.next_frame().unwrap() {
+            let frame = Frame::decode(frame).unwrap();
+            calls.push((frame.call_id, frame.payload.unwrap().len()));
+        }
+        assert_eq!(calls, [(2, 5), (1, large.len()), (1, 5)]);
+        assert!(reader.is_caught_up());
+    }
+
     #[test]
     fn large_payloads_are_queued_by_reference_small_ones_copied() {
         use rpc_core::frame::OutBody;

@@ -558,6 +558,57 @@ mod tests {
     }
 
     #[test]
+    fn random_pieces_and_frames_cut_anywhere_come_out_whole_and_each_stream_in_order() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move |below: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % below as u64) as usize
+        };
+        for _ in 0..20 {
+            // Frames tagged by stream and number in their first 3 bytes.
+            let body = |stream: u8, n: u16, len: usize| {
+                let mut b = vec![stream, (n >> 8) as u8, n as u8];
+                b.extend((0..len).map(|i| (i % 241) as u8));
+                b
+            };
+            let bulk: Vec<Vec<u8>> = (0..1 + next(4) as u16)
+                .map(|n| body(1, n, next(300_000)))
+                .collect();
+            let bulk_wire: Vec<u8> = bulk.iter().flat_map(|b| framed(b)).collect();
+            let (mut wire, mut main_sent, mut at) = (Vec::new(), Vec::new(), 0);
+            while at < bulk_wire.len() {
+                for _ in 0..next(3) {
+                    let frame = body(0, main_sent.len() as u16, next(5000));
+                    wire.extend_from_slice(&framed(&frame));
+                    main_sent.push(frame);
+                }
+                let n = (1 + next(2 * PIECE_LEN)).min(bulk_wire.len() - at);
+                wire.extend_from_slice(&piece(&bulk_wire[at..at + n]));
+                at += n;
+            }
+            let mut r = reader();
+            let mut got: [Vec<Vec<u8>>; 2] = [Vec::new(), Vec::new()];
+            let mut fed = 0;
+            while fed < wire.len() {
+                let n = (1 + next(200_000)).min(wire.len() - fed);
+                r.extend_from_slice(&wire[fed..fed + n]);
+                fed += n;
+                if next(2) == 0 && r.large_partial_frame().is_some() {
+                    r.reserve_frame();
+                }
+                while let Some(frame) = r.next_frame().unwrap() {
+                    got[usize::from(frame[0])].push(frame.to_vec());
+                }
+            }
+            assert!(got[0] == main_sent, "the connection's own frames");
+            assert!(got[1] == bulk, "the bulk stream's frames");
+            assert!(r.is_caught_up() && !r.holds_reservation());
+        }
+    }
+
+    #[test]
     fn pieces_are_read_in_place_into_the_frame_room_was_made_for() {
         let len = 1 << 20;
         let body: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
