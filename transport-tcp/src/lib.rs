@@ -73,7 +73,11 @@
 //! # Back-pressure
 //! Senders wait while more than [`TcpTransport::write_high_water`] bytes are
 //! queued and unwritten, so a peer that stops reading holds its senders back
-//! instead of growing memory.
+//! instead of growing memory. Frames in pieces count apart from the others,
+//! so a small call does not wait for room behind a tensor: a large frame
+//! waits while the pieces not yet sent hold the mark, and a call's small
+//! frame queued behind its own large one counts against what is queued
+//! behind the last large frame.
 
 mod budget;
 mod outgoing;
@@ -165,8 +169,8 @@ impl TcpTransport {
     }
 
     /// Bytes that may wait unwritten in a connection's buffer before senders
-    /// wait (default 1 MiB). A single larger frame is still accepted when the
-    /// buffer is empty.
+    /// wait (default 1 MiB), for small frames and for frames in pieces each.
+    /// A single larger frame is still accepted when the buffer is empty.
     pub fn write_high_water(mut self, bytes: usize) -> TcpTransport {
         self.write_high_water = bytes;
         self
