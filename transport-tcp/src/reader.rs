@@ -253,7 +253,8 @@ impl FrameReader {
         let mut rest = bytes;
         while !rest.is_empty() {
             let (buf, limit) = self.read_target();
-            let n = limit.min(rest.len());
+            // As a read does: at most the buffer's spare room.
+            let n = limit.min(buf.capacity() - buf.len()).min(rest.len());
             buf.extend_from_slice(&rest[..n]);
             self.received(n);
             rest = &rest[n..];

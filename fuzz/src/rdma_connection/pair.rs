@@ -374,7 +374,7 @@ fn execute(me: &mut Side, peer: &mut Side) -> bool {
                 *s = false;
             }
             peer.writes.push_back((pos, offset, len));
-            me.sq.push_back(WorkKind::Write.wr_id(0));
+            // Unsignaled: no completion (the `Chunk` SEND after it has one).
         }
         Wr::Send {
             kind,
