@@ -74,9 +74,17 @@ impl Outgoing {
             frame.encode(&mut self.tail);
             return;
         }
+        self.gather(|gather| {
+            gather.put_u32_le(prefix);
+            frame.gather(gather);
+        });
+    }
+
+    /// Appends what `fill` puts in a [`Gather`]: bytes copied, segments by
+    /// reference.
+    fn gather(&mut self, fill: impl FnOnce(&mut Gather)) {
         let mut gather = Gather::with_tail(mem::take(&mut self.tail));
-        gather.put_u32_le(prefix);
-        frame.gather(&mut gather);
+        fill(&mut gather);
         let (segments, tail) = gather.into_parts();
         for segment in segments {
             self.segments_len += segment.len();
@@ -90,35 +98,26 @@ impl Outgoing {
     /// reference.
     pub(crate) fn push_piece(&mut self, from: &mut Outgoing, n: usize) {
         debug_assert!(n > 0 && n <= from.len() && n < PIECE as usize);
-        self.tail.put_u32_le(n as u32 | PIECE);
-        let mut left = n;
-        while left > 0 {
-            let part = match from.segments.front_mut() {
-                Some(front) if front.len() <= left => {
-                    let part = from.segments.pop_front().expect("a front");
-                    from.segments_len -= part.len();
-                    part
-                }
-                Some(front) => {
-                    from.segments_len -= left;
-                    front.split_to(left)
-                }
-                None => from.tail.split_to(left).freeze(),
-            };
-            left -= part.len();
-            self.push_segment(part);
-        }
-    }
-
-    /// Appends `segment` after everything, the tail included.
-    fn push_segment(&mut self, segment: Bytes) {
-        if !self.tail.is_empty() {
-            let tail = self.tail.split().freeze();
-            self.segments_len += tail.len();
-            self.segments.push_back(tail);
-        }
-        self.segments_len += segment.len();
-        self.segments.push_back(segment);
+        self.gather(|gather| {
+            gather.put_u32_le(n as u32 | PIECE);
+            let mut left = n;
+            while left > 0 {
+                let part = match from.segments.front_mut() {
+                    Some(front) if front.len() <= left => {
+                        let part = from.segments.pop_front().expect("a front");
+                        from.segments_len -= part.len();
+                        part
+                    }
+                    Some(front) => {
+                        from.segments_len -= left;
+                        front.split_to(left)
+                    }
+                    None => from.tail.split_to(left).freeze(),
+                };
+                left -= part.len();
+                gather.push_segment(part);
+            }
+        });
     }
 
     /// Writes as much as the socket takes without waiting, and forgets it.

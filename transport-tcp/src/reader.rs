@@ -78,8 +78,6 @@ pub struct FrameReader {
     /// The stream whose large partial frame the caller claimed a budget
     /// for ([`reserve_frame`](Self::reserve_frame)), until it is handed up.
     reserved: Option<Lane>,
-    /// The last [`read_target`](Self::read_target) was `bulk`'s buffer.
-    reading_piece: bool,
     /// The last frame handed up came from the bulk stream.
     after_bulk: bool,
 }
@@ -98,7 +96,6 @@ impl FrameReader {
             bulk: FrameStream::new(limits),
             piece_left: 0,
             reserved: None,
-            reading_piece: false,
             after_bulk: false,
         }
     }
@@ -227,8 +224,7 @@ impl FrameReader {
     /// and copy, stays small.
     #[inline]
     pub fn read_target(&mut self) -> (&mut BytesMut, usize) {
-        self.reading_piece = self.piece_left > 0 && self.main.buf.is_empty();
-        if self.reading_piece {
+        if self.reading_piece() {
             let limit = self.piece_left.min(self.bulk.read_limit());
             return (self.bulk.read_buf(), limit);
         }
@@ -242,9 +238,16 @@ impl FrameReader {
 
     /// `n` bytes were read into the last [`read_target`](Self::read_target).
     pub fn received(&mut self, n: usize) {
-        if self.reading_piece {
+        if self.reading_piece() {
             self.piece_left -= n;
         }
+    }
+
+    /// Reads go to the piece under way: [`next_frame`](Self::next_frame)
+    /// moves what the connection's buffer holds of a piece to the bulk
+    /// stream, so while a piece lacks bytes that buffer is empty.
+    fn reading_piece(&self) -> bool {
+        self.piece_left > 0 && self.main.buf.is_empty()
     }
 
     /// Appends bytes that arrived, as reads into
@@ -503,6 +506,17 @@ mod tests {
         v
     }
 
+    /// The peer closing now is an `UnexpectedEof` I/O error that says `what`.
+    fn assert_unexpected_eof(r: &FrameReader, what: &str) {
+        match r.end_of_stream() {
+            Err(TransportError::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
+                assert!(source.to_string().contains(what), "{source}");
+            }
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+    }
+
     fn piece(bytes: &[u8]) -> Vec<u8> {
         let mut v = (bytes.len() as u32 | PIECE).to_le_bytes().to_vec();
         v.extend_from_slice(bytes);
@@ -688,16 +702,7 @@ mod tests {
         let mut r = reader();
         r.extend_from_slice(&piece(&framed(b"abcdef"))[..9]);
         assert_eq!(r.next_frame().unwrap(), None);
-        match r.end_of_stream() {
-            Err(TransportError::Io { source, .. }) => {
-                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
-                assert!(
-                    source.to_string().contains("5 bytes of a piece"),
-                    "{source}"
-                );
-            }
-            other => panic!("expected an I/O error, got {other:?}"),
-        }
+        assert_unexpected_eof(&r, "5 bytes of a piece");
     }
 
     #[test]
@@ -848,15 +853,6 @@ mod tests {
         let mut r = reader();
         assert!(matches!(r.end_of_stream(), Ok(None)));
         r.extend_from_slice(&framed(b"abcdef")[..7]);
-        match r.end_of_stream() {
-            Err(TransportError::Io { source, .. }) => {
-                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
-                assert!(
-                    source.to_string().contains("after 3 of the 6 bytes"),
-                    "{source}"
-                );
-            }
-            other => panic!("expected an I/O error, got {other:?}"),
-        }
+        assert_unexpected_eof(&r, "after 3 of the 6 bytes");
     }
 }
