@@ -36,7 +36,10 @@ pub fn check(data: &[u8]) {
             }
         }
         Kind::Announce => {
-            assert_eq!(body, transport_rdma::proto::ANNOUNCE_BODY_LEN);
+            use transport_rdma::proto::{ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS, SEGMENT_LEN};
+            let segments = (body - ANNOUNCE_PREFIX_LEN) / SEGMENT_LEN;
+            assert_eq!(body, ANNOUNCE_PREFIX_LEN + segments * SEGMENT_LEN);
+            assert!((1..=MAX_SEGMENTS).contains(&segments));
             assert!(header.len as usize >= transport_rdma::proto::ANNOUNCE_PREFIX_LEN);
         }
         Kind::Done => {

@@ -165,6 +165,33 @@ fn headers() -> Vec<(&'static str, Header, usize)> {
             0,
         ),
         ("close", Header::new(Kind::Close), 0),
+        (
+            "announce-one-segment",
+            Header {
+                len: 1 << 20,
+                pos: 7,
+                credits: 1,
+                ..Header::new(Kind::Announce)
+            },
+            transport_rdma::proto::announce_body_len(1),
+        ),
+        (
+            "announce-three-segments",
+            Header {
+                len: 64 << 20,
+                pos: 8,
+                ..Header::new(Kind::Announce)
+            },
+            transport_rdma::proto::announce_body_len(3),
+        ),
+        (
+            "done",
+            Header {
+                pos: 7,
+                ..Header::new(Kind::Done)
+            },
+            0,
+        ),
     ]
 }
 

@@ -66,13 +66,17 @@
 //!   The receiver reports how far it has freed its region in every header.
 //! - **Larger frames by rendezvous** (from
 //!   [`RdmaTransport::rendezvous_threshold`], off by default for now): the
-//!   sender encodes the frame into memory registered for that transfer
-//!   only, readable by the peer and nothing else, and announces it (address,
-//!   rkey, length) in a small SEND; the receiver RDMA READs it into a
-//!   destination from its own pool ([`RdmaTransport::rendezvous_pool`],
+//!   sender registers the frame for that transfer only, readable by the
+//!   peer and nothing else: each [`bytes::Bytes`] of at least
+//!   [`REGISTER_IN_PLACE_MIN`] in it (a tensor field, a `Bytes` payload)
+//!   where the application left it, its head and small fields copied into
+//!   one registration of their own. It announces the pieces (address,
+//!   rkey, length of each) in a small SEND; the receiver RDMA READs them
+//!   into a destination from its own pool ([`RdmaTransport::rendezvous_pool`],
 //!   never remotely writable), tells the sender `Done` (which deregisters
-//!   it: the peer's access ends there) and hands the frame up as `Bytes`
-//!   over the destination, with no copy on either side. Several transfers
+//!   them: the peer's access ends there) and hands the frame up as `Bytes`
+//!   over the destination, with no copy of the payload on either side
+//!   ([`rendezvous_bytes_sent`] counts what was copied). Several transfers
 //!   run at once per connection, frames of other calls keep flowing while
 //!   one is read, and a full pool makes transfers wait.
 //! - **Zero copy**: `poll_send` encodes each frame straight into registered
@@ -188,6 +192,7 @@ mod teardown;
 pub mod verbs;
 
 pub use admission::IpPrefix;
+pub use conn::{rendezvous_bytes_sent, REGISTER_IN_PLACE_MIN};
 pub use proto::auth::{SecretError, SharedSecret};
 pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
 
@@ -524,6 +529,7 @@ impl RdmaTransport {
             read_chunk: RENDEZVOUS_READ_CHUNK,
             read_depth: RENDEZVOUS_READ_DEPTH,
             max_outgoing: RENDEZVOUS_MAX_OUTGOING,
+            max_segments: proto::max_segments_in_slot(peer.slot_size as usize),
         }
     }
 

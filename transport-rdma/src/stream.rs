@@ -260,7 +260,7 @@ impl RdmaWriteHalf {
         if len == 0 {
             return Poll::Ready(Ok(0));
         }
-        let sent = self.sink.poll_send_with(cx, len, None, |dst| {
+        let sent = self.sink.poll_send_with(cx, len, None, None, |dst| {
             let mut left = len;
             for b in bufs {
                 let n = b.len().min(left);

@@ -12,7 +12,9 @@ use bytes::Bytes;
 use common::TestEnv;
 use rpc_core::frame::{OutBody, OutFrame};
 use rpc_core::transport::{Connection, FrameLimits, Listener, Transport, TransportError};
-use transport_rdma::proto::{Announcement, Header, Hello, Kind, ANNOUNCE_PREFIX_LEN, FIRST, LAST};
+use transport_rdma::proto::{
+    Announcement, Header, Hello, Kind, Segment, ANNOUNCE_PREFIX_LEN, FIRST, LAST,
+};
 use transport_rdma::verbs::{
     Access, CmId, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain, QpCapabilities,
     QueuePair,
@@ -190,17 +192,19 @@ async fn fails_the_connection(
 
 /// An `Announce` message: transfer `id`, `len` bytes at `addr`/`rkey`.
 fn announce(id: u64, len: u32, addr: u64, rkey: u32) -> Vec<u8> {
+    announce_segments(id, len, &[Segment { addr, rkey, len }])
+}
+
+/// An `Announce` message: transfer `id`, a frame of `len` bytes said to
+/// lie in `segments`.
+fn announce_segments(id: u64, len: u32, segments: &[Segment]) -> Vec<u8> {
     let mut h = Header::new(Kind::Announce);
     h.len = len;
     h.pos = id;
     let mut msg = h.to_bytes().to_vec();
-    let mut body = [0; transport_rdma::proto::ANNOUNCE_BODY_LEN];
-    Announcement {
-        addr,
-        rkey,
-        prefix: [0; ANNOUNCE_PREFIX_LEN],
-    }
-    .encode(&mut body);
+    let announcement = Announcement::new([0; ANNOUNCE_PREFIX_LEN], segments);
+    let mut body = vec![0; announcement.encoded_len()];
+    announcement.encode(&mut body);
     msg.extend_from_slice(&body);
     msg
 }
@@ -250,6 +254,29 @@ async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
     ] {
         fails_the_connection(&mut listener, addr, what, message).await;
     }
+    let two_segments = [
+        Segment {
+            addr: 0,
+            rkey: 1,
+            len: 4096,
+        },
+        Segment {
+            addr: 0,
+            rkey: 2,
+            len: 100_000,
+        },
+    ];
+    let (_, error) = fails_the_connection(
+        &mut listener,
+        addr,
+        "segments of more bytes than the frame",
+        announce_segments(4, 100_000, &two_segments),
+    )
+    .await;
+    assert!(
+        error.contains("announced segments of 104096 bytes for a frame of 100000"),
+        "failed for another reason: {error}"
+    );
     // Every destination taken for them is freed with their connections.
     let deadline = tokio::time::Instant::now() + STEP;
     while transport_rdma::verbs::registered_bytes() > before {

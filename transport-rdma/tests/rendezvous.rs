@@ -1,6 +1,7 @@
 //! The rendezvous of large frames on the device: frames at and around the
 //! threshold up to 256 MiB arrive byte-exact, in place in the receiver's
-//! pool (no copy), while small frames of other calls keep flowing; a full
+//! pool (no copy), their large payloads read by the NIC out of the sender's
+//! own `Bytes` (no copy either), while small frames of other calls keep flowing; a full
 //! pool makes transfers wait, then complete; the memory comes back.
 
 mod common;
@@ -77,9 +78,25 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
             let body = payload(i, len);
             let sink = Arc::clone(&client.sink);
             let sent = body.clone();
+            let (in_place_before, copied_before) = transport_rdma::rendezvous_bytes_sent();
             let task = tokio::spawn(async move { send(&sink, i as u64 + 1, &sent).await });
             let got = recv(&mut server).await;
             task.await.unwrap().expect("sent");
+            // The sender copied the frame's head only: the NIC read the
+            // payload out of `body` itself.
+            let (in_place, copied) = transport_rdma::rendezvous_bytes_sent();
+            let sent_as = (in_place - in_place_before, copied - copied_before);
+            let expected = if HEAD_LEN + len < threshold {
+                (0, 0)
+            } else if len >= transport_rdma::REGISTER_IN_PLACE_MIN {
+                (len as u64, HEAD_LEN as u64)
+            } else {
+                (0, (HEAD_LEN + len) as u64)
+            };
+            assert_eq!(
+                sent_as, expected,
+                "frame {i} of {len} bytes: (in place, copied)"
+            );
             assert_eq!(got.len(), HEAD_LEN + len, "frame {i} length");
             assert!(
                 got[HEAD_LEN..] == body[..],

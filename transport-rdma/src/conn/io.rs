@@ -12,11 +12,8 @@ use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
 use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
-use crate::proto::{
-    Announcement, Delivered, EncodeInto, Reservation, SendDecision, ANNOUNCE_BODY_LEN,
-    ANNOUNCE_PREFIX_LEN, HEADER_LEN,
-};
-use crate::verbs::{Access, MemoryRegion};
+use super::transfer::OutgoingTransfer;
+use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
 
 /// A rendezvous frame handed up in its destination: the destination goes
 /// back to the pool (deregistered, its bytes returned to the protocol's
@@ -131,12 +128,18 @@ impl RdmaSink {
     /// anyway are appended to the frame already waiting, if it has room
     /// ([`proto::Connection::append_inline`]), and nothing passes anything.
     ///
+    ///
+    /// `frame`: the frame `encode` writes, if it is an rpc-core frame; a
+    /// frame sent by rendezvous is then gathered from it instead, its
+    /// large `Bytes` read by the peer where they lie (no copy).
+    ///
     /// [`proto::Connection::append_inline`]: crate::proto::Connection::append_inline
     pub(crate) fn poll_send_with(
         &self,
         cx: &mut Context<'_>,
         len: usize,
         call: Option<u64>,
+        frame: Option<&OutFrame<'_>>,
         encode: impl FnOnce(&mut dyn BufMut),
     ) -> Poll<Result<(), TransportError>> {
         let shared = &*self.shared;
@@ -190,31 +193,28 @@ impl RdmaSink {
                 .expect("a frame encoded in place under the lock is always queued");
         } else if let EncodeInto::Rendezvous { slot, transfer } = st.proto.encode_into(&reservation)
         {
-            // Registered for this transfer and encoded without the
-            // connection's lock, like a chunked frame.
+            // Registered for this transfer (gathered, or encoded without
+            // the connection's lock, like a chunked frame).
+            let max_segments = st.proto.max_announced_segments();
             drop(st);
             let encoding = CancelHeapOnUnwind {
                 shared,
                 reservation,
             };
-            let segment =
-                match MemoryRegion::new(&mem.pd, len, Access::LOCAL_WRITE | Access::REMOTE_READ) {
-                    Ok(segment) => segment,
-                    Err(e) => {
-                        drop(encoding);
-                        return Poll::Ready(Err(super::io_error("register a rendezvous frame", e)));
-                    }
-                };
-            {
-                // SAFETY: just registered and not announced: no request
-                // uses it and no other slice covers it.
-                let mut dst = unsafe { segment.slice_mut(0..len) };
-                encode(&mut dst);
-            }
+            let registered = match frame {
+                Some(frame) => OutgoingTransfer::gathered(&mem.pd, frame, max_segments),
+                None => OutgoingTransfer::encoded(&mem.pd, len, encode),
+            };
+            let out = match registered {
+                Ok(out) => out,
+                Err(e) => {
+                    drop(encoding);
+                    return Poll::Ready(Err(super::io_error("register a rendezvous frame", e)));
+                }
+            };
             std::mem::forget(encoding);
-            let mut prefix = [0; ANNOUNCE_PREFIX_LEN];
-            segment.read_into(0, &mut prefix);
-            let remote = segment.remote();
+            let announcement = out.announcement();
+            let reservation = reservation.in_segments(announcement.segments().len());
             st = shared.lock();
             if let Err(refusal) = st.proto.queue_frame(reservation, None) {
                 st.wake();
@@ -223,17 +223,14 @@ impl RdmaSink {
             let start = mem.send_slot(slot).start + HEADER_LEN;
             // SAFETY: the announcement's send slot is this reservation's
             // until its SEND completes, and it is posted only by the
-            // flush below; the body fits a slot (inline_max is at least
-            // the body: rendezvous frames are longer than inline ones, and
-            // a slot holds a header and 64 bytes).
-            let body = unsafe { mem.send.slice_mut(start..start + ANNOUNCE_BODY_LEN) };
-            Announcement {
-                addr: remote.addr,
-                rkey: remote.rkey,
-                prefix,
-            }
-            .encode(body);
-            st.out_transfers.insert(transfer, segment);
+            // flush below; the body fits the slot (it lists at most
+            // `max_announced_segments`, as many as the peer's slot holds).
+            let body = unsafe {
+                mem.send
+                    .slice_mut(start..start + announcement.encoded_len())
+            };
+            announcement.encode(body);
+            st.out_transfers.insert(transfer, out);
         } else {
             // A chunked frame (up to the frame limit, 64 MiB) is encoded
             // without the connection's lock: completions, receivers and
@@ -315,7 +312,7 @@ impl FrameSink for RdmaSink {
         cx: &mut Context<'_>,
         frame: &OutFrame<'_>,
     ) -> Poll<Result<(), TransportError>> {
-        self.poll_send_with(cx, frame.len(), Some(frame.call_id()), |dst| {
+        self.poll_send_with(cx, frame.len(), Some(frame.call_id()), Some(frame), |dst| {
             frame.encode(dst)
         })
     }
@@ -417,7 +414,7 @@ impl FrameSource for RdmaSource {
     }
 }
 
-/// The receiver's busy-poll window ([`RdmaTransport::busy_poll`]): after
+/// The receiver's busy-poll window ([`RdmaTransport::busy_poll`](crate::RdmaTransport::busy_poll)): after
 /// the last frame, for `window`, a receiver that finds nothing asks to be
 /// polled again at once (letting the runtime's other tasks run in between)
 /// instead of waiting for the completion channel's event.

@@ -5,7 +5,8 @@
 //! hellos, awaiting the connection manager's events through
 //! [`cm_events`]), [`state`] (the memory and the queue pair, carrying out what
 //! [`proto::Connection`](crate::proto::Connection) decides), [`io`] (the
-//! sink and source halves the application uses), [`driver`] (the task
+//! sink and source halves the application uses), [`transfer`] (the
+//! registrations of our rendezvous transfers), [`driver`] (the task
 //! that feeds completions and connection-manager events in). The registry
 //! of live connections that device events fail is [`crate::registry`].
 //!
@@ -29,12 +30,14 @@ mod driver;
 mod io;
 mod setup;
 mod state;
+mod transfer;
 
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
 pub(crate) use setup::{accept, connect, pinned_bytes};
 pub(crate) use state::pool_contains;
+pub use transfer::{rendezvous_bytes_sent, REGISTER_IN_PLACE_MIN};
 
 use rpc_core::transport::TransportError;
 

@@ -75,7 +75,7 @@ pub(super) struct State {
     /// Our rendezvous transfers' segments (remote read), by transfer id,
     /// until the peer's `Done` (or a failure): dropping one ends the
     /// peer's access to it.
-    pub(super) out_transfers: HashMap<u64, MemoryRegion>,
+    pub(super) out_transfers: HashMap<u64, super::transfer::OutgoingTransfer>,
     /// The peer's transfers' destinations, by its transfer id, while
     /// their READs run and until delivered. Declared after `qp`: one with
     /// a READ in flight is freed only after the QP is destroyed.

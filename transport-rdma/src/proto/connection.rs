@@ -238,6 +238,8 @@ enum Place {
     Rendezvous {
         slot: u32,
         transfer: u64,
+        /// Segments its announcement lists.
+        segments: u8,
     },
 }
 
@@ -249,6 +251,29 @@ impl Reservation {
         Reservation { lane, ..self }
     }
 
+    /// The reservation of a rendezvous frame whose announcement lists
+    /// `segments` segments (1, the default, to
+    /// [`MAX_SEGMENTS`](super::MAX_SEGMENTS); panics otherwise, or if the
+    /// frame does not go by rendezvous).
+    pub fn in_segments(self, segments: usize) -> Reservation {
+        let Place::Rendezvous { slot, transfer, .. } = self.place else {
+            panic!("segments of a frame not sent by rendezvous: {self:?}");
+        };
+        assert!(
+            (1..=super::MAX_SEGMENTS).contains(&segments),
+            "an announcement lists 1 to {} segments, not {segments}",
+            super::MAX_SEGMENTS
+        );
+        Reservation {
+            place: Place::Rendezvous {
+                slot,
+                transfer,
+                segments: segments as u8,
+            },
+            ..self
+        }
+    }
+
     fn encode_into(&self, writer_offset: impl Fn(u64) -> usize) -> EncodeInto {
         match self.place {
             Place::Inline { slot } => EncodeInto::SendSlot { slot },
@@ -256,7 +281,7 @@ impl Reservation {
                 offset: writer_offset(pos),
             },
             Place::Heap => EncodeInto::Heap,
-            Place::Rendezvous { slot, transfer } => EncodeInto::Rendezvous { slot, transfer },
+            Place::Rendezvous { slot, transfer, .. } => EncodeInto::Rendezvous { slot, transfer },
         }
     }
 
@@ -448,8 +473,14 @@ enum Out {
         done: usize,
         lane: Option<u64>,
     },
-    /// A rendezvous frame; `slot` holds its announcement.
-    Rendezvous { slot: u32, transfer: u64, len: u32 },
+    /// A rendezvous frame; `slot` holds its announcement, which lists
+    /// `segments` segments.
+    Rendezvous {
+        slot: u32,
+        transfer: u64,
+        len: u32,
+        segments: u8,
+    },
 }
 
 /// A received message not yet handed to the application.
@@ -574,6 +605,7 @@ impl Connection {
                 read_chunk: cfg.rendezvous.read_chunk.max(1),
                 read_depth: cfg.rendezvous.read_depth.max(1),
                 max_outgoing: cfg.rendezvous.max_outgoing.max(1),
+                max_segments: cfg.rendezvous.max_segments.clamp(1, super::MAX_SEGMENTS),
                 threshold: cfg.rendezvous.threshold,
             },
             outgoing: BTreeMap::new(),
@@ -757,7 +789,11 @@ impl Connection {
             self.outgoing.insert(transfer, OutTransfer::Encoding);
             return SendDecision::Encode(Reservation {
                 len: len32,
-                place: Place::Rendezvous { slot, transfer },
+                place: Place::Rendezvous {
+                    slot,
+                    transfer,
+                    segments: 1,
+                },
                 lane: None,
             });
         }
@@ -800,6 +836,12 @@ impl Connection {
             place,
             lane: None,
         })
+    }
+
+    /// The most segments an announcement of ours may list
+    /// ([`RendezvousConfig::max_segments`]).
+    pub fn max_announced_segments(&self) -> usize {
+        self.rdv.max_segments
     }
 
     /// Whether a frame of `len` bytes goes by rendezvous.
@@ -883,7 +925,11 @@ impl Connection {
                     lane: r.lane,
                 }
             }
-            Place::Rendezvous { slot, transfer } => {
+            Place::Rendezvous {
+                slot,
+                transfer,
+                segments,
+            } => {
                 let refused = match &self.lifecycle {
                     Lifecycle::Failed(reason) => Some(Refusal::Failed(reason.clone())),
                     _ if self.may_send() => None,
@@ -898,6 +944,7 @@ impl Connection {
                     slot,
                     transfer,
                     len: r.len,
+                    segments,
                 }
             }
         };
@@ -918,7 +965,7 @@ impl Connection {
                 self.writer.roll_back_to(head_before);
             }
             Place::Heap => self.heap_queued = false,
-            Place::Rendezvous { slot, transfer } => {
+            Place::Rendezvous { slot, transfer, .. } => {
                 self.free_send.push(slot);
                 self.outgoing.remove(&transfer);
             }
@@ -997,8 +1044,10 @@ impl Connection {
                     slot,
                     transfer,
                     len,
+                    segments,
                 } => {
                     let (slot, transfer, len) = (*slot, *transfer, *len);
+                    let body_len = super::announce_body_len(*segments as usize);
                     if !self.credits.take_data() {
                         break;
                     }
@@ -1007,7 +1056,7 @@ impl Connection {
                     let mut h = Header::new(Kind::Announce);
                     h.len = len;
                     h.pos = transfer;
-                    self.push_send(WorkKind::Send, slot, h, super::ANNOUNCE_BODY_LEN);
+                    self.push_send(WorkKind::Send, slot, h, body_len);
                 }
                 Out::Heap { data, done, .. } => {
                     if self.credits.available() < 2 || self.free_heap.is_empty() {
@@ -1166,15 +1215,20 @@ impl Connection {
                 continue;
             }
             while t.next < t.len && self.reads.len() < self.rdv.read_depth as usize {
-                let n = (t.len - t.next).min(self.rdv.read_chunk);
+                // A READ stays within one segment (one registration).
+                let (addr, rkey, in_segment) = t
+                    .ann
+                    .locate(t.next)
+                    .expect("the segments add up to the frame (checked on arrival)");
+                let n = in_segment.min(self.rdv.read_chunk);
                 let seq = self.read_seq;
                 self.read_seq = self.read_seq.wrapping_add(1);
                 self.transmit.push_back(Transmit::Read {
                     transfer: t.id,
                     offset: t.next,
                     len: n,
-                    addr: t.ann.addr.wrapping_add(t.next as u64),
-                    rkey: t.ann.rkey,
+                    addr,
+                    rkey,
                     seq,
                 });
                 self.reads.push_back((seq, t.id, n));
@@ -1340,7 +1394,7 @@ impl Connection {
                 });
             }
             Kind::Credit => self.repost(slot),
-            Kind::Announce => self.on_announce(slot, &header, peek)?,
+            Kind::Announce => self.on_announce(slot, &header, peek.get(HEADER_LEN..byte_len))?,
             Kind::Done => {
                 self.repost(slot);
                 match self.outgoing.get(&header.pos) {
@@ -1378,14 +1432,21 @@ impl Connection {
         &mut self,
         slot: u32,
         header: &Header,
-        peek: &[u8],
+        body: Option<&[u8]>,
     ) -> Result<(), ProtocolError> {
         if self.rdv.pool_bytes == 0 {
             return Err(ProtocolError::new(
                 "rendezvous announced, but this side takes none",
             ));
         }
-        let ann = Announcement::decode(peek.get(HEADER_LEN..).unwrap_or_default())?;
+        let ann = Announcement::decode(body.unwrap_or_default())?;
+        if ann.frame_len() != u64::from(header.len) {
+            return Err(ProtocolError::new(format!(
+                "announced segments of {} bytes for a frame of {}",
+                ann.frame_len(),
+                header.len
+            )));
+        }
         let transfer = header.pos;
         if self.incoming.iter().any(|t| t.id == transfer) {
             return Err(ProtocolError::new(format!(
@@ -1675,6 +1736,7 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::Segment;
 
     /// The peer's ring, so our data send slots; our own ring has more, so
     /// that mixing the two up shows.
@@ -2032,16 +2094,21 @@ mod tests {
     /// A connection taking rendezvous transfers: frames up to 1000 bytes,
     /// a pool of two of them, READs of 300 bytes, two at a time.
     fn rendezvous_connection() -> Connection {
-        Connection::new(Config {
+        Connection::new(rendezvous_connection_config())
+    }
+
+    fn rendezvous_connection_config() -> Config {
+        Config {
             rendezvous: RendezvousConfig {
                 threshold: Some(200),
                 pool_bytes: 2 * crate::proto::POOL_GRANULE,
                 read_chunk: 300,
                 read_depth: 2,
                 max_outgoing: 2,
+                max_segments: 2,
             },
             ..connection_config()
-        })
+        }
     }
 
     fn connection_config() -> Config {
@@ -2069,17 +2136,31 @@ mod tests {
     /// The peer announces transfer `id` of `len` bytes of call `call` in
     /// receive slot `slot`.
     fn announce(conn: &mut Connection, slot: u32, id: u64, len: u32, call: u64) {
+        let segment = Segment {
+            addr: 0x1000,
+            rkey: 7,
+            len,
+        };
+        announce_segments(conn, slot, id, len, call, &[segment]);
+    }
+
+    /// The peer announces transfer `id`, a frame of `len` bytes of call
+    /// `call` lying in `segments`.
+    fn announce_segments(
+        conn: &mut Connection,
+        slot: u32,
+        id: u64,
+        len: u32,
+        call: u64,
+        segments: &[Segment],
+    ) {
         let mut h = Header::new(Kind::Announce);
         h.len = len;
         h.pos = id;
-        let mut msg = vec![0; crate::proto::PEEK_LEN];
+        let ann = Announcement::new(frame_head(call), segments);
+        let mut msg = vec![0; HEADER_LEN + ann.encoded_len()];
         h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
-        Announcement {
-            addr: 0x1000,
-            rkey: 7,
-            prefix: frame_head(call),
-        }
-        .encode(&mut msg[HEADER_LEN..]);
+        ann.encode(&mut msg[HEADER_LEN..]);
         complete(conn, WorkKind::Recv.wr_id(slot), &msg);
     }
 
@@ -2111,15 +2192,101 @@ mod tests {
         assert_eq!(conn.failure(), None);
         announce(&mut conn, 1, 1, 500, 1);
         assert!(conn.failure().unwrap().contains("in flight"));
-        // A body that is not an announcement's.
+        // Segments that do not add up to the frame.
+        let mut conn = rendezvous_connection();
+        let short = Segment {
+            addr: 0,
+            rkey: 7,
+            len: 499,
+        };
+        announce_segments(&mut conn, 0, 1, 500, 1, &[short]);
+        assert!(conn
+            .failure()
+            .unwrap()
+            .contains("segments of 499 bytes for a frame of 500"));
+        let mut conn = rendezvous_connection();
+        let wraps = Segment {
+            addr: 0,
+            rkey: 7,
+            len: u32::MAX,
+        };
+        announce_segments(&mut conn, 0, 1, 500, 1, &[wraps, short]);
+        assert!(conn.failure().unwrap().contains("for a frame of 500"));
+        // A segment of nothing.
         let mut conn = rendezvous_connection();
         let mut h = Header::new(Kind::Announce);
         h.len = 500;
-        let mut msg = vec![0; crate::proto::PEEK_LEN];
+        let mut msg = vec![0; HEADER_LEN + crate::proto::announce_body_len(1)];
         h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
-        msg[HEADER_LEN + 12] = 1; // reserved
         complete(&mut conn, WorkKind::Recv.wr_id(0), &msg);
-        assert!(conn.failure().unwrap().contains("reserved"));
+        assert!(conn.failure().unwrap().contains("segment of 0 bytes"));
+    }
+
+    #[test]
+    fn reads_of_a_frame_in_segments_stay_within_each_segment() {
+        let mut conn = Connection::new(Config {
+            slot_size: 256,
+            ..rendezvous_connection_config()
+        });
+        // The head copied (40 bytes), a payload in place (900), a tail (60)
+        // after the head in the copied registration.
+        let segments = [
+            Segment {
+                addr: 0,
+                rkey: 1,
+                len: 40,
+            },
+            Segment {
+                addr: 0,
+                rkey: 2,
+                len: 900,
+            },
+            Segment {
+                addr: 40,
+                rkey: 1,
+                len: 60,
+            },
+        ];
+        announce_segments(&mut conn, 0, 0, 1000, 1, &segments);
+        let mut reads = Vec::new();
+        loop {
+            for t in transmits(&mut conn) {
+                if let Transmit::Read {
+                    offset,
+                    len,
+                    addr,
+                    rkey,
+                    ..
+                } = t
+                {
+                    reads.push((offset, len, addr, rkey));
+                }
+            }
+            assert!(conn.reads.len() <= 2, "over the read depth");
+            let Some(&(s, _, _)) = conn.reads.front() else {
+                break;
+            };
+            complete(&mut conn, WorkKind::Read.wr_id(s), &[]);
+        }
+        assert_eq!(conn.failure(), None);
+        assert_eq!(
+            reads,
+            [
+                (0, 40, 0, 1),
+                (40, 300, 0, 2),
+                (340, 300, 300, 2),
+                (640, 300, 600, 2),
+                (940, 60, 40, 1),
+            ]
+        );
+        let slots = Slots(vec![vec![0; 256]; RING_SLOTS as usize]);
+        assert_eq!(
+            conn.poll_delivery(&slots),
+            Some(Delivered::Pooled {
+                transfer: 0,
+                len: 1000
+            })
+        );
     }
 
     #[test]
@@ -2156,7 +2323,7 @@ mod tests {
         assert!(matches!(
             sent[..],
             [Transmit::Send { header: Header { kind: Kind::Announce, len: 500, pos, .. }, body_len, .. }]
-                if pos == transfer && body_len == crate::proto::ANNOUNCE_BODY_LEN
+                if pos == transfer && body_len == crate::proto::announce_body_len(1)
         ));
         assert!(!conn.is_drained());
         let mut done = Header::new(Kind::Done);

@@ -125,9 +125,10 @@ struct Side {
     got: Vec<Got>,
     /// The peer's `Close` was delivered.
     eof: bool,
-    /// Our rendezvous segments (registered, by transfer id = rkey) and the
-    /// destinations of the peer's transfers.
-    segments: HashMap<u64, Vec<u8>>,
+    /// Our rendezvous segments (registered, by rkey), the rkeys of each
+    /// of our transfers, and the destinations of the peer's transfers.
+    segments: HashMap<u32, Vec<u8>>,
+    transfers: HashMap<u64, Vec<u32>>,
     destinations: HashMap<u64, Vec<u8>>,
     /// Rendezvous frames the application holds (their lengths).
     pooled_held: Vec<usize>,
@@ -160,6 +161,7 @@ impl Side {
                         read_chunk: 50,
                         read_depth: 3,
                         max_outgoing: 3,
+                        max_segments: super::max_segments_in_slot(SLOT_SIZE),
                     },
                 },
             }),
@@ -178,6 +180,7 @@ impl Side {
             got: Vec::new(),
             eof: false,
             segments: HashMap::new(),
+            transfers: HashMap::new(),
             destinations: HashMap::new(),
             pooled_held: Vec::new(),
         }
@@ -210,6 +213,7 @@ fn send_frames(me: &mut Side) -> usize {
             SendDecision::Refused(refusal) => panic!("refused: {refusal:?}"),
         };
         let frame = me.app_queue.pop_front().expect("front");
+        let mut reservation = r;
         let frame_lane = frame[..frame.len().min(12)].to_vec();
         let heap = match me.conn.encode_into(&r) {
             EncodeInto::SendSlot { slot } => {
@@ -231,19 +235,37 @@ fn send_frames(me: &mut Side) -> usize {
                     !me.sending[slot as usize],
                     "announcing from a slot in flight"
                 );
-                let ann = Announcement {
-                    addr: 0,
-                    rkey: transfer as u32,
-                    prefix: frame[..ANNOUNCE_PREFIX_LEN].try_into().expect("prefix"),
+                // Every other frame in two segments (each its own
+                // registration), as a payload registered in place is.
+                let cut = if transfer % 2 == 1 && me.conn.max_announced_segments() >= 2 {
+                    vec![0, frame.len() / 3, frame.len()]
+                } else {
+                    vec![0, frame.len()]
                 };
+                let mut segments = Vec::new();
+                let mut rkeys = Vec::new();
+                for (i, piece) in cut.windows(2).enumerate() {
+                    let rkey = (transfer * 8 + i as u64) as u32;
+                    segments.push(Segment {
+                        addr: 0,
+                        rkey,
+                        len: (piece[1] - piece[0]) as u32,
+                    });
+                    let bytes = frame[piece[0]..piece[1]].to_vec();
+                    assert!(me.segments.insert(rkey, bytes).is_none(), "rkey reused");
+                    rkeys.push(rkey);
+                }
+                let prefix = frame[..ANNOUNCE_PREFIX_LEN].try_into().expect("prefix");
+                let ann = Announcement::new(prefix, &segments);
                 ann.encode(&mut me.send[slot as usize][HEADER_LEN..]);
-                assert!(me.segments.insert(transfer, frame).is_none(), "id reused");
+                assert!(me.transfers.insert(transfer, rkeys).is_none(), "id reused");
+                reservation = r.in_segments(segments.len());
                 None
             }
         };
         // rpc-core's frames: each of the call its bytes 4..12 name.
         me.conn
-            .queue_frame(r.in_lane(lane(&frame_lane)), heap)
+            .queue_frame(reservation.in_lane(lane(&frame_lane)), heap)
             .expect("queued");
         accepted += 1;
     }
@@ -309,7 +331,7 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
             } => {
                 let segment = peer
                     .segments
-                    .get(&u64::from(rkey))
+                    .get(&rkey)
                     .expect("READ of a segment not registered");
                 let from = addr as usize;
                 let dest = me
@@ -321,10 +343,16 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                     .push_back((WorkKind::Read.wr_id(seq), 0, Vec::new()));
             }
             Transmit::Release { transfer } => {
-                assert!(
-                    me.segments.remove(&transfer).is_some(),
-                    "release of a segment not registered"
-                );
+                let rkeys = me
+                    .transfers
+                    .remove(&transfer)
+                    .expect("release of a transfer not registered");
+                for rkey in rkeys {
+                    assert!(
+                        me.segments.remove(&rkey).is_some(),
+                        "segment not registered"
+                    );
+                }
             }
             Transmit::Send {
                 kind,

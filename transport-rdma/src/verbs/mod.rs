@@ -59,7 +59,7 @@ pub(crate) use cm::{Event as CmEventRecord, SharedCmId};
 pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
-pub use mr::{registered_bytes, Access, MemoryRegion, RemoteRegion};
+pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use qp::{QpCapabilities, QueuePair, SendBatch, SendPoster};
 

@@ -5,6 +5,7 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use rdma_sys as ffi;
 
 use super::pd::PdInner;
@@ -119,41 +120,15 @@ impl MemoryRegion {
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
         let len = len.max(1);
         let remote_write = access.0 & Access::REMOTE_WRITE.0 != 0;
-        let remote = access.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0) != 0;
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        // A region the peer writes or reads is registered zero-based (its
-        // remote addresses are offsets, so the hello or an announcement
-        // tells the peer nothing of this process's address space), where
-        // the device allows it. Either way the device allows remote access
-        // only inside `iova..iova + len`, and only of the kinds asked for.
-        let mut iova = buf.as_ptr() as u64;
-        let mut raw = ptr::null_mut();
-        if remote {
-            // SAFETY: the PD is live; `buf..buf+len` is memory this value
-            // owns and frees only after deregistering it (Drop).
-            raw = unsafe {
-                ffi::ibv_reg_mr_iova2(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, 0, access.0)
-            };
-            if raw.is_null() {
-                tracing::debug!(
-                    "zero-based registration refused ({}); registering at the buffer's address",
-                    last_os_error()
-                );
-            } else {
-                iova = 0;
-            }
-        }
-        if raw.is_null() {
-            let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
-            // SAFETY: as above.
-            raw =
-                unsafe { ffi::ibv_reg_mr(pd.inner.raw.as_ptr(), buf.as_ptr().cast(), len, access) };
-        }
-        match NonNull::new(raw) {
-            Some(raw) => Ok(Self {
+        // SAFETY: `buf..buf+len` is memory this value owns and frees
+        // only after deregistering it (Drop).
+        let registered = unsafe { register(pd, buf.as_ptr(), len, access) };
+        match registered {
+            Ok((raw, iova)) => Ok(Self {
                 // Counted from here, so that `Drop` (which subtracts) pairs with it.
                 len: pinned(len),
                 raw,
@@ -162,12 +137,11 @@ impl MemoryRegion {
                 remote_write,
                 pd: Arc::clone(&pd.inner),
             }),
-            None => {
-                let source = last_os_error();
+            Err(e) => {
                 // SAFETY: `buf` was allocated above with this layout and
                 // was not registered.
                 unsafe { std::alloc::dealloc(buf.as_ptr(), layout) };
-                Err(Error::RegMr { len, source })
+                Err(e)
             }
         }
     }
@@ -356,6 +330,139 @@ impl Drop for MemoryRegion {
         // longer registered (ibv_dereg_mr succeeded just above).
         unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };
     }
+}
+
+/// Registers `len` bytes at `buf` on `pd` (`ibv_reg_mr`); returns the MR
+/// and the address remote requests name `buf` by.
+///
+/// Memory the peer writes or reads is registered zero-based (its remote
+/// addresses are offsets, so the hello or an announcement tells the peer
+/// nothing of this process's address space), where the device allows it.
+/// Either way the device allows remote access only inside
+/// `iova..iova + len`, and only of the kinds asked for.
+///
+/// # Safety
+/// `buf..buf + len` must stay allocated, and be written only as `access`
+/// allows the device to expect, until the MR is deregistered.
+unsafe fn register(
+    pd: &ProtectionDomain,
+    buf: *mut u8,
+    len: usize,
+    access: Access,
+) -> Result<(NonNull<ffi::ibv_mr>, u64)> {
+    let remote = access.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0) != 0;
+    let mut iova = buf as u64;
+    let mut raw = ptr::null_mut();
+    if remote {
+        // SAFETY: the PD is live; the caller keeps the memory valid.
+        raw = unsafe { ffi::ibv_reg_mr_iova2(pd.inner.raw.as_ptr(), buf.cast(), len, 0, access.0) };
+        if raw.is_null() {
+            tracing::debug!(
+                "zero-based registration refused ({}); registering at the buffer's address",
+                last_os_error()
+            );
+        } else {
+            iova = 0;
+        }
+    }
+    if raw.is_null() {
+        let access = libc::c_int::try_from(access.0).expect("access flags fit in c_int");
+        // SAFETY: as above.
+        raw = unsafe { ffi::ibv_reg_mr(pd.inner.raw.as_ptr(), buf.cast(), len, access) };
+    }
+    match NonNull::new(raw) {
+        Some(raw) => Ok((raw, iova)),
+        None => Err(Error::RegMr {
+            len,
+            source: last_os_error(),
+        }),
+    }
+}
+
+/// Bytes the program already holds, registered where they lie for the peer
+/// to RDMA READ ([`Access::REMOTE_READ`] only): a payload sent with no copy.
+///
+/// Holds its [`Bytes`] while registered, so the memory stays allocated and
+/// unchanged (`Bytes` are immutable); dropping deregisters, then lets the
+/// `Bytes` go. If `ibv_dereg_mr` fails the peer may still read the memory,
+/// so the `Bytes` are leaked (and the failure logged) rather than freed.
+/// Registration pins the pages the bytes lie on; remote access covers the
+/// bytes only, not the rest of those pages.
+pub struct RegisteredBytes {
+    raw: NonNull<ffi::ibv_mr>,
+    bytes: Bytes,
+    iova: u64,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: the value owns its MR handle (libibverbs calls are thread-safe)
+// and a `Bytes` (itself `Send`); nothing in it is written after `new`.
+unsafe impl Send for RegisteredBytes {}
+
+impl RegisteredBytes {
+    /// Registers `bytes` on `pd` for remote reads (panics if empty).
+    pub fn new(pd: &ProtectionDomain, bytes: Bytes) -> Result<Self> {
+        assert!(!bytes.is_empty(), "registering no bytes");
+        // SAFETY: the memory is the `Bytes`' own: it stays allocated and
+        // unchanged while the value holds it, which it does until after
+        // deregistering (Drop). The device only reads it (no LOCAL_WRITE).
+        let (raw, iova) = unsafe {
+            register(
+                pd,
+                bytes.as_ptr().cast_mut(),
+                bytes.len(),
+                Access::REMOTE_READ,
+            )?
+        };
+        REGISTERED.fetch_add(pages_spanned(&bytes), Ordering::Relaxed);
+        Ok(RegisteredBytes {
+            raw,
+            bytes,
+            iova,
+            _pd: Arc::clone(&pd.inner),
+        })
+    }
+
+    /// The bytes registered.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// What the peer needs to read them.
+    pub fn remote(&self) -> RemoteRegion {
+        // SAFETY: `raw` is the live MR this value owns.
+        let rkey = unsafe { self.raw.as_ref().rkey };
+        RemoteRegion {
+            addr: self.iova,
+            rkey,
+            len: self.bytes.len() as u64,
+        }
+    }
+}
+
+impl Drop for RegisteredBytes {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is the live MR this value owns, deregistered once.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
+        if ret != 0 {
+            tracing::error!(
+                len = self.bytes.len(),
+                error = %super::errno_error(ret),
+                "ibv_dereg_mr failed: leaking the registered bytes rather than freeing memory the device may still read"
+            );
+            std::mem::forget(std::mem::take(&mut self.bytes));
+            return;
+        }
+        REGISTERED.fetch_sub(pages_spanned(&self.bytes), Ordering::Relaxed);
+    }
+}
+
+/// Bytes of the whole pages `bytes` lie on (what registering them pins).
+fn pages_spanned(bytes: &[u8]) -> u64 {
+    const PAGE: usize = 4096;
+    let start = bytes.as_ptr() as usize;
+    let first = start - start % PAGE;
+    ((start + bytes.len()).next_multiple_of(PAGE) - first) as u64
 }
 
 /// Bytes registered by the [`MemoryRegion`]s of this process now.
