@@ -454,3 +454,51 @@ async fn measure_push_throughput() {
         }
     }
 }
+
+/// What a rendezvous sender pays per frame, by payload size: registering
+/// the application's `Bytes` where they lie (and deregistering), against
+/// copying them into a fresh registration (what it did before), and a
+/// plain copy. Run with `RDV_MEASURE=1` (prints `@@register` lines).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn measure_register_in_place_against_copy() {
+    use transport_rdma::verbs::{Access, CmId, EventChannel, MemoryRegion, ProtectionDomain};
+    if std::env::var_os("RDV_MEASURE").is_none() {
+        eprintln!("set RDV_MEASURE=1 to measure");
+        return;
+    }
+    let env = TestEnv::from_env();
+    let channel = EventChannel::new().expect("event channel");
+    let mut id = CmId::new(&channel).expect("cm id");
+    id.bind(std::net::SocketAddr::new(env.ip, 0))
+        .expect("binds to the device's address");
+    let pd = ProtectionDomain::new(&id).expect("protection domain");
+    for size in [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20] {
+        let body = payload(size, size);
+        let rounds = ((256 << 20) / size).clamp(4, 256);
+        let per = |f: &mut dyn FnMut()| {
+            f(); // warm-up
+            let started = std::time::Instant::now();
+            for _ in 0..rounds {
+                f();
+            }
+            started.elapsed().as_secs_f64() * 1e6 / rounds as f64
+        };
+        let in_place = per(&mut || {
+            drop(transport_rdma::verbs::RegisteredBytes::new(&pd, body.clone()).expect("registers"))
+        });
+        let copied = per(&mut || {
+            let mr = MemoryRegion::new(&pd, size, Access::LOCAL_WRITE | Access::REMOTE_READ)
+                .expect("registers");
+            mr.write_at(0, &body);
+        });
+        let mut plain = vec![0u8; size];
+        let memcpy = per(&mut || {
+            plain.copy_from_slice(&body);
+            std::hint::black_box(&plain);
+        });
+        println!(
+            "@@register {size} in_place_us {in_place:.1} copy_into_new_registration_us {copied:.1} memcpy_us {memcpy:.1}"
+        );
+    }
+}
