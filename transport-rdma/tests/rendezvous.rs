@@ -473,7 +473,16 @@ async fn measure_register_in_place_against_copy() {
     id.bind(std::net::SocketAddr::new(env.ip, 0))
         .expect("binds to the device's address");
     let pd = ProtectionDomain::new(&id).expect("protection domain");
-    for size in [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20] {
+    for size in [
+        32 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+        1 << 20,
+        4 << 20,
+        16 << 20,
+        64 << 20,
+    ] {
         let body = payload(size, size);
         let rounds = ((256 << 20) / size).clamp(4, 256);
         let per = |f: &mut dyn FnMut()| {
@@ -492,13 +501,20 @@ async fn measure_register_in_place_against_copy() {
                 .expect("registers");
             mr.write_at(0, &body);
         });
+        // The frame's head, copied into a registration of its own beside
+        // a payload registered in place.
+        let head = per(&mut || {
+            let mr = MemoryRegion::new(&pd, 64, Access::LOCAL_WRITE | Access::REMOTE_READ)
+                .expect("registers");
+            mr.write_at(0, &body[..64]);
+        });
         let mut plain = vec![0u8; size];
         let memcpy = per(&mut || {
             plain.copy_from_slice(&body);
             std::hint::black_box(&plain);
         });
         println!(
-            "@@register {size} in_place_us {in_place:.1} copy_into_new_registration_us {copied:.1} memcpy_us {memcpy:.1}"
+            "@@register {size} in_place_us {in_place:.1} head_registration_us {head:.1} copy_into_new_registration_us {copied:.1} memcpy_us {memcpy:.1}"
         );
     }
 }
