@@ -76,9 +76,12 @@
 //!   never remotely writable), tells the sender `Done` (which deregisters
 //!   them: the peer's access ends there) and hands the frame up as `Bytes`
 //!   over the destination, with no copy of the payload on either side
-//!   ([`rendezvous_bytes_sent`] counts what was copied). Several transfers
-//!   run at once per connection, frames of other calls keep flowing while
-//!   one is read, and a full pool makes transfers wait.
+//!   ([`rendezvous_bytes_sent`] counts what was copied). A destination the
+//!   application drops stays registered for the next frame of its size
+//!   while the pool's budget allows (fresh memory costs more to register
+//!   than a copy of it). Several transfers run at once per connection,
+//!   frames of other calls keep flowing while one is read, and a full pool
+//!   makes transfers wait.
 //! - **Zero copy**: `poll_send` encodes each frame straight into registered
 //!   memory (frames above half the peer's region are encoded on the heap,
 //!   then copied chunk by chunk). Small received frames go up as

@@ -127,6 +127,46 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
     }
 }
 
+/// A destination the application released is kept registered and reused
+/// for the next frame of its size: the frame arrives in the same memory,
+/// and the receiving side registers nothing new for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_released_destination_is_reused_for_the_next_frame_of_its_size() {
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
+    let limits = FrameLimits {
+        max_frame_len: (4 << 20) + 4096,
+    };
+    let (client, mut server) = env.pair(&cfg, limits).await;
+    let mut previous: Option<usize> = None;
+    // Three frames of one pool charge (whole pages), the first the shortest.
+    for (i, len) in [(1 << 20) - 10, 1 << 20, (1 << 20) - 5]
+        .into_iter()
+        .enumerate()
+    {
+        let body = payload(i, len);
+        send(&client.sink, i as u64 + 1, &body).await.expect("sent");
+        let got = recv(&mut server).await;
+        assert!(got[HEAD_LEN..] == body[..], "frame {i} differs");
+        assert!(transport_rdma::rendezvous_pool_contains(got.as_ptr()));
+        let at = got.as_ptr() as usize;
+        if let Some(previous) = previous {
+            assert_eq!(
+                at, previous,
+                "frame {i} did not reuse the released destination"
+            );
+        }
+        previous = Some(at);
+        drop(got);
+        // The driver takes the released destination back.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A side with the rendezvous on talks to one with it off: large frames go
 /// through the region both ways (the side that is off says in its hello
 /// that it reads none, so the other announces nothing to it).

@@ -144,8 +144,8 @@ fn repost_released(shared: &Shared) {
     for slot in released {
         st.proto.handle_released(slot);
     }
-    for len in pooled {
-        st.proto.handle_pool_released(len);
+    for (len, destination) in pooled {
+        st.release_destination(len, destination);
     }
     st.flush(&shared.mem);
 }

@@ -37,13 +37,8 @@ impl AsRef<[u8]> for PoolGuard {
 
 impl Drop for PoolGuard {
     fn drop(&mut self) {
-        drop(self.dest.take());
-        self.shared
-            .pool_released
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(self.len);
-        self.shared.wake_task.notify_one();
+        let dest = self.dest.take().expect("held until drop");
+        self.shared.release_destination(self.len, dest);
     }
 }
 

@@ -433,6 +433,7 @@ impl Established {
             completions: 0,
             out_transfers: HashMap::new(),
             destinations: HashMap::new(),
+            spares: Default::default(),
             posting: false,
             batch: SendBatch::default(),
         };

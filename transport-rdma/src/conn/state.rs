@@ -80,6 +80,8 @@ pub(super) struct State {
     /// their READs run and until delivered. Declared after `qp`: one with
     /// a READ in flight is freed only after the QP is destroyed.
     pub(super) destinations: HashMap<u64, PoolBuffer>,
+    /// Destinations the application released, kept for later transfers.
+    pub(super) spares: SpareDestinations,
     /// A thread is posting the send queue's requests, outside the lock
     /// ([`Locked`]); it posts whatever is queued meanwhile too.
     pub(super) posting: bool,
@@ -98,8 +100,11 @@ pub(crate) struct PoolBuffer {
 static POOL_RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
 impl PoolBuffer {
+    /// A destination for frames of up to `len` bytes, registered in whole
+    /// pages (what the pool charges): a spare fits any frame of its charge.
     fn new(pd: &ProtectionDomain, len: usize) -> Result<PoolBuffer, crate::verbs::Error> {
-        let mr = MemoryRegion::new(pd, len, Access::LOCAL_WRITE)?;
+        let whole_pages = proto::pool_charge(len) as usize;
+        let mr = MemoryRegion::new(pd, whole_pages, Access::LOCAL_WRITE)?;
         // SAFETY: an empty slice at the start: covers no byte.
         let start = unsafe { mr.slice(0..0) }.as_ptr() as usize;
         POOL_RANGES
@@ -117,6 +122,68 @@ impl Drop for PoolBuffer {
         let mut ranges = POOL_RANGES.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(i) = ranges.iter().position(|r| r.0 == start) {
             ranges.swap_remove(i);
+        }
+    }
+}
+
+/// Destinations the application released, kept registered for later
+/// transfers of the same size: registering fresh memory for each costs
+/// more than a copy of it (its pages are touched for the first time, then
+/// pinned), and tensors of a workload come in a few sizes again and again.
+/// They count against the connection's pool budget with the destinations
+/// in use ([`trim`](Self::trim)), so the connection never pins more than
+/// its pool allows; they are freed with the connection.
+pub(super) struct SpareDestinations<B = PoolBuffer> {
+    /// Oldest first.
+    buffers: std::collections::VecDeque<B>,
+    bytes: u64,
+}
+
+impl<B> Default for SpareDestinations<B> {
+    fn default() -> Self {
+        SpareDestinations {
+            buffers: Default::default(),
+            bytes: 0,
+        }
+    }
+}
+
+/// A destination, as the pool charges it.
+pub(super) trait Charged {
+    /// Its length in whole pages.
+    fn charge(&self) -> u64;
+}
+
+impl Charged for PoolBuffer {
+    fn charge(&self) -> u64 {
+        proto::pool_charge(self.mr.len())
+    }
+}
+
+impl<B: Charged> SpareDestinations<B> {
+    /// A spare for a frame of `len` bytes: one of the same pool charge.
+    pub(super) fn take(&mut self, len: usize) -> Option<B> {
+        let charge = proto::pool_charge(len);
+        let at = self.buffers.iter().position(|b| b.charge() == charge)?;
+        let buffer = self.buffers.remove(at)?;
+        self.bytes -= charge;
+        Some(buffer)
+    }
+
+    /// Keeps `buffer` (released by the application) for later.
+    pub(super) fn keep(&mut self, buffer: B) {
+        self.bytes += buffer.charge();
+        self.buffers.push_back(buffer);
+    }
+
+    /// Frees the oldest spares until, with `in_use` bytes charged to
+    /// destinations, they fit `budget`.
+    pub(super) fn trim(&mut self, in_use: u64, budget: u64) {
+        while in_use + self.bytes > budget {
+            let Some(oldest) = self.buffers.pop_front() else {
+                return;
+            };
+            self.bytes -= oldest.charge();
         }
     }
 }
@@ -140,8 +207,9 @@ pub(super) struct Shared {
     pub(super) cq: DropLater<CompletionQueue>,
     pub(super) mem: DropLater<Buffers>,
     pub(super) released: Mutex<Vec<u32>>,
-    /// Lengths of rendezvous frames the application dropped.
-    pub(super) pool_released: Mutex<Vec<usize>>,
+    /// Rendezvous frames the application dropped while the state was
+    /// busy: their lengths and destinations, for the driver.
+    pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
     pub(super) wake_task: Notify,
     pub(super) peer: String,
     /// A server's connection gives its admission back once its memory
@@ -172,6 +240,36 @@ impl Shared {
 
     fn lock_only(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes back the destination of a rendezvous frame of `len` bytes
+    /// the application dropped: at once if the state is free (so the next
+    /// transfer of its size finds it), else through the driver (which
+    /// also posts what the freed pool lets through).
+    pub(super) fn release_destination(&self, len: usize, destination: PoolBuffer) {
+        match self.state.try_lock() {
+            Ok(mut st) => st.release_destination(len, destination),
+            Err(std::sync::TryLockError::Poisoned(st)) => {
+                st.into_inner().release_destination(len, destination)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => self
+                .pool_released
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((len, destination)),
+        }
+        self.wake_task.notify_one();
+    }
+}
+
+impl State {
+    /// The pool gets a dropped frame's charge back; its destination is
+    /// kept as a spare while the budget allows.
+    pub(super) fn release_destination(&mut self, len: usize, destination: PoolBuffer) {
+        self.proto.handle_pool_released(len);
+        self.spares.keep(destination);
+        let (in_use, budget) = (self.proto.pool_in_use(), self.proto.pool_budget());
+        self.spares.trim(in_use, budget);
     }
 }
 
@@ -366,7 +464,15 @@ impl State {
                 }
             }
             Transmit::Alloc { transfer, len } => {
-                let dest = PoolBuffer::new(&mem.pd, len)?;
+                let dest = match self.spares.take(len) {
+                    Some(spare) => spare,
+                    None => {
+                        // The protocol charged this transfer already.
+                        let in_use = self.proto.pool_in_use();
+                        self.spares.trim(in_use, self.proto.pool_budget());
+                        PoolBuffer::new(&mem.pd, len)?
+                    }
+                };
                 self.destinations.insert(transfer, dest);
                 Ok(())
             }
@@ -504,5 +610,44 @@ impl LiveConnection for Shared {
             st.handles,
             self.released.lock().map(|r| r.len()).unwrap_or(0),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake(u64);
+
+    impl Charged for Fake {
+        fn charge(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn spares_are_taken_by_charge_and_trimmed_oldest_first_to_the_budget() {
+        let mut spares = SpareDestinations::default();
+        spares.keep(Fake(8192));
+        spares.keep(Fake(4096));
+        spares.keep(Fake(8192));
+        assert!(spares.take(100_000).is_none(), "no spare of that size");
+        assert_eq!(
+            spares.take(5000).map(|b| b.0),
+            Some(8192),
+            "8192 bytes charged"
+        );
+        assert_eq!(spares.bytes, 4096 + 8192);
+        // 4096 in use and a budget of 12288: the oldest spare goes.
+        spares.trim(4096, 12288);
+        assert_eq!(spares.bytes, 8192);
+        assert_eq!(
+            spares.take(4096).map(|b| b.0),
+            None,
+            "the 4096 one was the oldest"
+        );
+        spares.trim(12288, 12288);
+        assert_eq!(spares.bytes, 0);
+        assert!(spares.take(8192).is_none());
     }
 }

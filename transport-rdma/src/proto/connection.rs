@@ -1490,6 +1490,11 @@ impl Connection {
         self.pool_in_use
     }
 
+    /// Bytes the pool may charge to destinations at once.
+    pub fn pool_budget(&self) -> u64 {
+        self.rdv.pool_bytes
+    }
+
     /// RDMA READs completed so far.
     pub fn reads_completed(&self) -> u64 {
         self.reads_completed
