@@ -121,9 +121,10 @@
 //! [`RdmaTransport::rendezvous_threshold`]: on the receiving side at most
 //! [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least the
 //! frame limit; a listener counts it in
-//! [`RdmaTransport::max_pinned_bytes`]), on the sending side the frames of
-//! up to 8 transfers in flight (not counted: the application chose to send
-//! them). Peers announcing more than [`RdmaTransport::max_peer`] allows
+//! [`RdmaTransport::max_pinned_bytes`]; destinations kept for reuse count
+//! in it too), on the sending side the frames of up to 8 transfers in
+//! flight, their large `Bytes` pinned where they lie (not counted: the
+//! application chose to send them). Peers announcing more than [`RdmaTransport::max_peer`] allows
 //! are refused.
 //!
 //! A listener admits a client only within its limits, checked from the
