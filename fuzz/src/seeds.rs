@@ -173,7 +173,7 @@ fn headers() -> Vec<(&'static str, Header, usize)> {
                 credits: 1,
                 ..Header::new(Kind::Announce)
             },
-            transport_rdma::proto::announce_body_len(1),
+            transport_rdma::proto::announce_body_len(1, 32),
         ),
         (
             "announce-three-segments",
@@ -182,7 +182,7 @@ fn headers() -> Vec<(&'static str, Header, usize)> {
                 pos: 8,
                 ..Header::new(Kind::Announce)
             },
-            transport_rdma::proto::announce_body_len(3),
+            transport_rdma::proto::announce_body_len(3, 200),
         ),
         (
             "done",

@@ -69,9 +69,9 @@
 //!   sender registers the frame for that transfer only, readable by the
 //!   peer and nothing else: each [`bytes::Bytes`] of at least
 //!   [`REGISTER_IN_PLACE_MIN`] in it (a tensor field, a `Bytes` payload)
-//!   where the application left it, its head and small fields copied into
-//!   one registration of their own. It announces the pieces (address,
-//!   rkey, length of each) in a small SEND; the receiver RDMA READs them
+//!   where the application left it. It announces them (address, rkey,
+//!   length of each) in a small SEND that carries the frame's head and
+//!   small fields itself; the receiver copies the head and RDMA READs them
 //!   into a destination from its own pool ([`RdmaTransport::rendezvous_pool`],
 //!   never remotely writable), tells the sender `Done` (which deregisters
 //!   them: the peer's access ends there) and hands the frame up as `Bytes`
@@ -533,7 +533,7 @@ impl RdmaTransport {
             read_chunk: RENDEZVOUS_READ_CHUNK,
             read_depth: RENDEZVOUS_READ_DEPTH,
             max_outgoing: RENDEZVOUS_MAX_OUTGOING,
-            max_segments: proto::max_segments_in_slot(peer.slot_size as usize),
+            announce_room: peer.slot_size as usize - HEADER_LEN,
         }
     }
 

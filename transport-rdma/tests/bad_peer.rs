@@ -190,19 +190,29 @@ async fn fails_the_connection(
     }
 }
 
-/// An `Announce` message: transfer `id`, `len` bytes at `addr`/`rkey`.
+/// An `Announce` message: transfer `id`, a frame of `len` bytes whose
+/// first 32 it carries, the rest at `addr`/`rkey`.
 fn announce(id: u64, len: u32, addr: u64, rkey: u32) -> Vec<u8> {
-    announce_segments(id, len, &[Segment { addr, rkey, len }])
+    let rest = len - ANNOUNCE_PREFIX_LEN as u32;
+    announce_segments(
+        id,
+        len,
+        &[Segment {
+            addr,
+            rkey,
+            len: rest,
+        }],
+    )
 }
 
-/// An `Announce` message: transfer `id`, a frame of `len` bytes said to
-/// lie in `segments`.
+/// An `Announce` message: transfer `id`, a frame of `len` bytes whose
+/// first 32 it carries, the rest said to lie in `segments`.
 fn announce_segments(id: u64, len: u32, segments: &[Segment]) -> Vec<u8> {
     let mut h = Header::new(Kind::Announce);
     h.len = len;
     h.pos = id;
     let mut msg = h.to_bytes().to_vec();
-    let announcement = Announcement::new([0; ANNOUNCE_PREFIX_LEN], segments);
+    let announcement = Announcement::new(ANNOUNCE_PREFIX_LEN, [0; ANNOUNCE_PREFIX_LEN], segments);
     let mut body = vec![0; announcement.encoded_len()];
     announcement.encode(&mut body);
     msg.extend_from_slice(&body);
@@ -274,7 +284,7 @@ async fn peers_lying_about_rendezvous_transfers_fail_their_connection() {
     )
     .await;
     assert!(
-        error.contains("announced segments of 104096 bytes for a frame of 100000"),
+        error.contains("announced head and segments of 104128 bytes for a frame of 100000"),
         "failed for another reason: {error}"
     );
     // Every destination taken for them is freed with their connections.

@@ -82,14 +82,16 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
             let task = tokio::spawn(async move { send(&sink, i as u64 + 1, &sent).await });
             let got = recv(&mut server).await;
             task.await.unwrap().expect("sent");
-            // The sender copied the frame's head only: the NIC read the
-            // payload out of `body` itself.
+            // The sender copied the frame's head only (into the
+            // announcement): the NIC read the payload out of `body` itself.
             let (in_place, copied) = transport_rdma::rendezvous_bytes_sent();
             let sent_as = (in_place - in_place_before, copied - copied_before);
             let expected = if HEAD_LEN + len < threshold {
                 (0, 0)
             } else if len >= transport_rdma::REGISTER_IN_PLACE_MIN {
-                (len as u64, HEAD_LEN as u64)
+                // The announcement carries the frame's head, at least 32 bytes.
+                let head = HEAD_LEN.max(transport_rdma::proto::ANNOUNCE_PREFIX_LEN);
+                ((HEAD_LEN + len - head) as u64, head as u64)
             } else {
                 (0, (HEAD_LEN + len) as u64)
             };

@@ -190,14 +190,14 @@ impl RdmaSink {
         {
             // Registered for this transfer (gathered, or encoded without
             // the connection's lock, like a chunked frame).
-            let max_segments = st.proto.max_announced_segments();
+            let room = st.proto.announce_room();
             drop(st);
             let encoding = CancelHeapOnUnwind {
                 shared,
                 reservation,
             };
             let registered = match frame {
-                Some(frame) => OutgoingTransfer::gathered(&mem.pd, frame, max_segments),
+                Some(frame) => OutgoingTransfer::gathered(&mem.pd, frame, room),
                 None => OutgoingTransfer::encoded(&mem.pd, len, encode),
             };
             let out = match registered {
@@ -208,8 +208,8 @@ impl RdmaSink {
                 }
             };
             std::mem::forget(encoding);
-            let announcement = out.announcement();
-            let reservation = reservation.in_segments(announcement.segments().len());
+            let body_len = out.announcement().encoded_len();
+            let reservation = reservation.announcing(body_len);
             st = shared.lock();
             if let Err(refusal) = st.proto.queue_frame(reservation, None) {
                 st.wake();
@@ -218,13 +218,10 @@ impl RdmaSink {
             let start = mem.send_slot(slot).start + HEADER_LEN;
             // SAFETY: the announcement's send slot is this reservation's
             // until its SEND completes, and it is posted only by the
-            // flush below; the body fits the slot (it lists at most
-            // `max_announced_segments`, as many as the peer's slot holds).
-            let body = unsafe {
-                mem.send
-                    .slice_mut(start..start + announcement.encoded_len())
-            };
-            announcement.encode(body);
+            // flush below; the body fits the slot (at most `room` bytes,
+            // what the peer's slot holds after the header).
+            let body = unsafe { mem.send.slice_mut(start..start + body_len) };
+            out.encode_announcement(body);
             st.out_transfers.insert(transfer, out);
         } else {
             // A chunked frame (up to the frame limit, 64 MiB) is encoded

@@ -463,7 +463,13 @@ impl State {
                     )
                 }
             }
-            Transmit::Alloc { transfer, len } => {
+            Transmit::Alloc {
+                transfer,
+                len,
+                slot,
+                head_at,
+                head_len,
+            } => {
                 let dest = match self.spares.take(len) {
                     Some(spare) => spare,
                     None => {
@@ -473,6 +479,16 @@ impl State {
                         PoolBuffer::new(&mem.pd, len)?
                     }
                 };
+                // The frame's head came in the announcement.
+                let start = mem.recv_slot(slot).start + head_at;
+                // SAFETY: the announcement's receive completed and its slot
+                // is reposted only once the frame is delivered; the ring is
+                // local write only, so nothing writes it meanwhile. The
+                // head lies inside the message (the protocol checked it
+                // against the message's length, at most a slot).
+                let head = unsafe { mem.recv.slice(start..start + head_len) };
+                // Not yet read into: no request uses the destination.
+                dest.mr.write_at(0, head);
                 self.destinations.insert(transfer, dest);
                 Ok(())
             }

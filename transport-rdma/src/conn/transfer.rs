@@ -3,23 +3,27 @@
 //!
 //! A frame handed to the sink as an [`OutFrame`] is gathered: each large
 //! [`Bytes`] in it (a tensor field) is registered where the application
-//! left it, with no copy, and the frame's head and small fields are copied
-//! into one registration of their own; the announcement lists the pieces in
-//! order. Other frames (a byte stream's, or one whose pieces would not fit
-//! an announcement) are encoded into one registration.
+//! left it, with no copy; the frame's head and small fields before it go in
+//! the announcement itself, small fields after one are copied into a
+//! registration of their own; the announcement lists the pieces in order.
+//! Other frames (a byte stream's, or one whose pieces would not fit an
+//! announcement) are encoded into one registration.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes};
-use rpc_core::frame::{Gather, OutFrame};
+use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
 
-use crate::proto::{Announcement, Segment, ANNOUNCE_PREFIX_LEN};
+use crate::proto::{announce_body_len, Announcement, Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS};
 use crate::verbs::{self, Access, MemoryRegion, ProtectionDomain, RegisteredBytes};
 
 /// `Bytes` of a frame at least this long are registered where they lie;
-/// shorter ones are copied with the frame's head. Registering costs a
-/// system call and pins pages; below this a copy is cheaper.
-pub const REGISTER_IN_PLACE_MIN: usize = 64 << 10;
+/// shorter ones are copied. The same as [`GATHER_THRESHOLD`]: every
+/// `Bytes` a frame holds by reference. In a Soft-RoCE guest registering
+/// 32 KiB in place took 52–76 µs against 82–107 µs for copying it into a
+/// fresh registration, and the gap grows with the size
+/// (`docs/benchmarks.md`).
+pub const REGISTER_IN_PLACE_MIN: usize = GATHER_THRESHOLD;
 
 /// Bytes of rendezvous frames this process sent from where the
 /// application left them, and copied into registered memory first.
@@ -37,18 +41,21 @@ pub fn rendezvous_bytes_sent() -> (u64, u64) {
     )
 }
 
-/// One of our transfers' registrations and its announcement.
+/// One of our transfers: its announcement, the head it carries, and the
+/// registrations the peer reads the rest from.
 pub(crate) struct OutgoingTransfer {
-    /// The bytes copied: the whole frame, or its head and small fields.
+    announcement: Announcement,
+    /// The frame's first bytes, sent in the announcement.
+    head: Vec<u8>,
+    /// The bytes copied: the whole frame, or small fields after a large one.
     _copied: Option<MemoryRegion>,
     /// Its large `Bytes`, registered where they lie.
     _in_place: Vec<RegisteredBytes>,
-    announcement: Announcement,
 }
 
 impl OutgoingTransfer {
     /// The frame of `len` bytes `encode` writes, copied into memory
-    /// registered for this transfer.
+    /// registered for this transfer (the announcement carries its prefix).
     pub(crate) fn encoded(
         pd: &ProtectionDomain,
         len: usize,
@@ -65,26 +72,29 @@ impl OutgoingTransfer {
         mr.read_into(0, &mut prefix);
         let remote = mr.remote();
         let segment = Segment {
-            addr: remote.addr,
+            addr: remote.addr + ANNOUNCE_PREFIX_LEN as u64,
             rkey: remote.rkey,
-            len: u32::try_from(len).expect("a rendezvous frame's length fits its header"),
+            len: u32::try_from(len - ANNOUNCE_PREFIX_LEN)
+                .expect("a rendezvous frame's length fits its header"),
         };
         SENT_COPIED.fetch_add(len as u64, Ordering::Relaxed);
         Ok(OutgoingTransfer {
+            announcement: Announcement::new(ANNOUNCE_PREFIX_LEN, prefix, &[segment]),
+            head: prefix.to_vec(),
             _copied: Some(mr),
             _in_place: Vec::new(),
-            announcement: Announcement::new(prefix, &[segment]),
         })
     }
 
-    /// `frame` gathered: its large `Bytes` registered where they lie, the
-    /// rest copied into one registration; encoded as a whole instead when
-    /// it has no large `Bytes`, or its pieces would take more than
-    /// `max_segments` segments.
+    /// `frame` gathered: its head and small fields up to its first large
+    /// `Bytes` sent in the announcement, each large `Bytes` registered
+    /// where it lies, small fields after one copied into a registration of
+    /// their own. Encoded as a whole instead when it has no large `Bytes`,
+    /// or the announcement would not fit `room` bytes (the peer's slot).
     pub(crate) fn gathered(
         pd: &ProtectionDomain,
         frame: &OutFrame<'_>,
-        max_segments: usize,
+        room: usize,
     ) -> Result<OutgoingTransfer, verbs::Error> {
         let mut gather = Gather::new();
         frame.gather(&mut gather);
@@ -92,16 +102,25 @@ impl OutgoingTransfer {
         pieces.push(tail.freeze());
         pieces.retain(|p| !p.is_empty());
         let in_place = |p: &Bytes| p.len() >= REGISTER_IN_PLACE_MIN;
-        // A segment per large piece and per run of small ones between.
-        let segments = pieces
+        let Some(first_large) = pieces.iter().position(in_place) else {
+            return Self::encoded(pd, frame.len(), |dst| frame.encode(dst));
+        };
+        let head_len = pieces[..first_large]
+            .iter()
+            .map(Bytes::len)
+            .sum::<usize>()
+            .max(ANNOUNCE_PREFIX_LEN);
+        let rest = &pieces[first_large..];
+        // A segment per large piece and per run of small ones after one.
+        let segments = rest
             .iter()
             .enumerate()
-            .filter(|&(i, p)| in_place(p) || i == 0 || in_place(&pieces[i - 1]))
+            .filter(|&(i, p)| in_place(p) || in_place(&rest[i - 1]))
             .count();
-        if !pieces.iter().any(in_place) || segments > max_segments {
+        if segments > MAX_SEGMENTS || announce_body_len(segments, head_len) > room {
             return Self::encoded(pd, frame.len(), |dst| frame.encode(dst));
         }
-        let copied_len: usize = pieces.iter().filter(|p| !in_place(p)).map(Bytes::len).sum();
+        let copied_len: usize = rest.iter().filter(|p| !in_place(p)).map(Bytes::len).sum();
         let copied = if copied_len > 0 {
             Some(MemoryRegion::new(
                 pd,
@@ -111,24 +130,25 @@ impl OutgoingTransfer {
         } else {
             None
         };
+        let mut head = Vec::with_capacity(head_len);
+        for piece in &pieces[..first_large] {
+            head.extend_from_slice(piece);
+        }
         let mut registered = Vec::new();
         let mut listed: Vec<Segment> = Vec::with_capacity(segments);
-        let mut prefix = [0; ANNOUNCE_PREFIX_LEN];
-        let (mut at, mut sent) = (0, 0);
-        let mut after_copied = false;
-        for piece in &pieces {
-            if sent < ANNOUNCE_PREFIX_LEN {
-                let n = piece.len().min(ANNOUNCE_PREFIX_LEN - sent);
-                prefix[sent..sent + n].copy_from_slice(&piece[..n]);
-            }
-            let len = u32::try_from(piece.len()).expect("a piece of a frame fits its header");
+        let (mut at, mut after_copied) = (0, false);
+        for piece in rest {
             if in_place(piece) {
+                // A head shorter than the prefix takes the first bytes of
+                // the first large piece (it is far longer than that).
+                let skip = head_len - head.len();
+                head.extend_from_slice(&piece[..skip]);
                 let bytes = RegisteredBytes::new(pd, piece.clone())?;
                 let remote = bytes.remote();
                 listed.push(Segment {
-                    addr: remote.addr,
+                    addr: remote.addr + skip as u64,
                     rkey: remote.rkey,
-                    len,
+                    len: u32::try_from(piece.len() - skip).expect("a piece fits a frame"),
                 });
                 registered.push(bytes);
                 after_copied = false;
@@ -136,6 +156,7 @@ impl OutgoingTransfer {
                 let mr = copied.as_ref().expect("registered for the small pieces");
                 // Not announced yet: no request reads it.
                 mr.write_at(at, piece);
+                let len = u32::try_from(piece.len()).expect("a piece fits a frame");
                 match listed.last_mut() {
                     Some(last) if after_copied => last.len += len,
                     _ => {
@@ -150,21 +171,35 @@ impl OutgoingTransfer {
                 at += piece.len();
                 after_copied = true;
             }
-            sent += piece.len();
         }
-        assert_eq!(sent, frame.len(), "a gathered frame's length");
-        debug_assert_eq!(listed.len(), segments);
-        SENT_COPIED.fetch_add(copied_len as u64, Ordering::Relaxed);
-        SENT_IN_PLACE.fetch_add((sent - copied_len) as u64, Ordering::Relaxed);
+        let prefix = head[..ANNOUNCE_PREFIX_LEN].try_into().expect("the prefix");
+        let announcement = Announcement::new(head_len, prefix, &listed);
+        assert_eq!(
+            announcement.frame_len(),
+            frame.len() as u64,
+            "a gathered frame's length"
+        );
+        let copied_bytes = (head_len + copied_len) as u64;
+        SENT_COPIED.fetch_add(copied_bytes, Ordering::Relaxed);
+        SENT_IN_PLACE.fetch_add(frame.len() as u64 - copied_bytes, Ordering::Relaxed);
         Ok(OutgoingTransfer {
+            announcement,
+            head,
             _copied: copied,
             _in_place: registered,
-            announcement: Announcement::new(prefix, &listed),
         })
     }
 
-    /// What the peer is told: the frame's prefix and where its bytes lie.
+    /// What the peer is told: where the frame's bytes lie.
     pub(crate) fn announcement(&self) -> &Announcement {
         &self.announcement
+    }
+
+    /// Writes the announcement's body (its counts, segments and the
+    /// frame's head) into `body`, of exactly its encoded length.
+    pub(crate) fn encode_announcement(&self, body: &mut [u8]) {
+        let at = self.announcement.head_offset();
+        self.announcement.encode(&mut body[..at]);
+        body[at..].copy_from_slice(&self.head);
     }
 }

@@ -153,6 +153,14 @@ pub enum Transmit {
         transfer: u64,
         /// The frame's length.
         len: usize,
+        /// The receive slot holding the announcement: its bytes
+        /// `head_at..head_at + head_len` are the frame's first bytes, to
+        /// copy to the destination's start (the READs fill the rest).
+        slot: u32,
+        /// Where the frame's head starts in the slot.
+        head_at: usize,
+        /// The head's length.
+        head_len: usize,
     },
     /// RDMA READ `len` bytes at `addr` (rkey `rkey`) of the peer's memory
     /// into transfer `transfer`'s destination at `offset`
@@ -238,8 +246,8 @@ enum Place {
     Rendezvous {
         slot: u32,
         transfer: u64,
-        /// Segments its announcement lists.
-        segments: u8,
+        /// Length of its announcement's body.
+        body_len: u32,
     },
 }
 
@@ -251,24 +259,19 @@ impl Reservation {
         Reservation { lane, ..self }
     }
 
-    /// The reservation of a rendezvous frame whose announcement lists
-    /// `segments` segments (1, the default, to
-    /// [`MAX_SEGMENTS`](super::MAX_SEGMENTS); panics otherwise, or if the
-    /// frame does not go by rendezvous).
-    pub fn in_segments(self, segments: usize) -> Reservation {
+    /// The reservation of a rendezvous frame whose announcement's body
+    /// is `body_len` bytes long (at most
+    /// [`announce_room`](Connection::announce_room): `queue_frame` panics
+    /// otherwise; panics if the frame does not go by rendezvous).
+    pub fn announcing(self, body_len: usize) -> Reservation {
         let Place::Rendezvous { slot, transfer, .. } = self.place else {
-            panic!("segments of a frame not sent by rendezvous: {self:?}");
+            panic!("an announcement of a frame not sent by rendezvous: {self:?}");
         };
-        assert!(
-            (1..=super::MAX_SEGMENTS).contains(&segments),
-            "an announcement lists 1 to {} segments, not {segments}",
-            super::MAX_SEGMENTS
-        );
         Reservation {
             place: Place::Rendezvous {
                 slot,
                 transfer,
-                segments: segments as u8,
+                body_len: u32::try_from(body_len).expect("an announcement fits a slot"),
             },
             ..self
         }
@@ -473,13 +476,13 @@ enum Out {
         done: usize,
         lane: Option<u64>,
     },
-    /// A rendezvous frame; `slot` holds its announcement, which lists
-    /// `segments` segments.
+    /// A rendezvous frame; `slot` holds its announcement, of `body_len`
+    /// bytes after the header.
     Rendezvous {
         slot: u32,
         transfer: u64,
         len: u32,
-        segments: u8,
+        body_len: u32,
     },
 }
 
@@ -605,7 +608,10 @@ impl Connection {
                 read_chunk: cfg.rendezvous.read_chunk.max(1),
                 read_depth: cfg.rendezvous.read_depth.max(1),
                 max_outgoing: cfg.rendezvous.max_outgoing.max(1),
-                max_segments: cfg.rendezvous.max_segments.clamp(1, super::MAX_SEGMENTS),
+                announce_room: cfg
+                    .rendezvous
+                    .announce_room
+                    .max(super::announce_body_len(1, ANNOUNCE_PREFIX_LEN)),
                 threshold: cfg.rendezvous.threshold,
             },
             outgoing: BTreeMap::new(),
@@ -792,7 +798,7 @@ impl Connection {
                 place: Place::Rendezvous {
                     slot,
                     transfer,
-                    segments: 1,
+                    body_len: super::announce_body_len(1, ANNOUNCE_PREFIX_LEN) as u32,
                 },
                 lane: None,
             });
@@ -838,17 +844,17 @@ impl Connection {
         })
     }
 
-    /// The most segments an announcement of ours may list
-    /// ([`RendezvousConfig::max_segments`]).
-    pub fn max_announced_segments(&self) -> usize {
-        self.rdv.max_segments
+    /// Bytes of body an announcement of ours may take
+    /// ([`RendezvousConfig::announce_room`]).
+    pub fn announce_room(&self) -> usize {
+        self.rdv.announce_room
     }
 
     /// Whether a frame of `len` bytes goes by rendezvous.
     pub fn goes_by_rendezvous(&self, len: usize) -> bool {
         self.rdv
             .threshold
-            .is_some_and(|t| len >= t && len > self.inline_max && len >= ANNOUNCE_PREFIX_LEN)
+            .is_some_and(|t| len >= t && len > self.inline_max && len > ANNOUNCE_PREFIX_LEN)
     }
 
     /// The longest frame sent in one piece (inline, or one region chunk
@@ -928,8 +934,13 @@ impl Connection {
             Place::Rendezvous {
                 slot,
                 transfer,
-                segments,
+                body_len,
             } => {
+                assert!(
+                    body_len as usize <= self.rdv.announce_room,
+                    "an announcement of {body_len} bytes, over the {} the peer's slot holds",
+                    self.rdv.announce_room
+                );
                 let refused = match &self.lifecycle {
                     Lifecycle::Failed(reason) => Some(Refusal::Failed(reason.clone())),
                     _ if self.may_send() => None,
@@ -944,7 +955,7 @@ impl Connection {
                     slot,
                     transfer,
                     len: r.len,
-                    segments,
+                    body_len,
                 }
             }
         };
@@ -1044,10 +1055,10 @@ impl Connection {
                     slot,
                     transfer,
                     len,
-                    segments,
+                    body_len,
                 } => {
                     let (slot, transfer, len) = (*slot, *transfer, *len);
-                    let body_len = super::announce_body_len(*segments as usize);
+                    let body_len = *body_len as usize;
                     if !self.credits.take_data() {
                         break;
                     }
@@ -1205,6 +1216,9 @@ impl Connection {
             self.transmit.push_back(Transmit::Alloc {
                 transfer: t.id,
                 len: t.len,
+                slot: t.slot,
+                head_at: HEADER_LEN + t.ann.head_offset(),
+                head_len: t.ann.head_len as usize,
             });
         }
         for t in self.incoming.iter_mut() {
@@ -1394,7 +1408,10 @@ impl Connection {
                 });
             }
             Kind::Credit => self.repost(slot),
-            Kind::Announce => self.on_announce(slot, &header, peek.get(HEADER_LEN..byte_len))?,
+            Kind::Announce => {
+                let body = peek.get(HEADER_LEN..).unwrap_or_default();
+                self.on_announce(slot, &header, body, byte_len - HEADER_LEN)?
+            }
             Kind::Done => {
                 self.repost(slot);
                 match self.outgoing.get(&header.pos) {
@@ -1432,17 +1449,18 @@ impl Connection {
         &mut self,
         slot: u32,
         header: &Header,
-        body: Option<&[u8]>,
+        body: &[u8],
+        body_len: usize,
     ) -> Result<(), ProtocolError> {
         if self.rdv.pool_bytes == 0 {
             return Err(ProtocolError::new(
                 "rendezvous announced, but this side takes none",
             ));
         }
-        let ann = Announcement::decode(body.unwrap_or_default())?;
+        let ann = Announcement::decode(body, body_len)?;
         if ann.frame_len() != u64::from(header.len) {
             return Err(ProtocolError::new(format!(
-                "announced segments of {} bytes for a frame of {}",
+                "announced head and segments of {} bytes for a frame of {}",
                 ann.frame_len(),
                 header.len
             )));
@@ -1460,8 +1478,11 @@ impl Connection {
             // the sender may release it at once.
             self.dones.push_back(transfer);
         }
+        // The head came with the announcement: the READs fetch the rest.
+        let head = ann.head_len as usize;
         self.incoming.push_back(Incoming {
             id: transfer,
+            slot,
             len,
             lane: lane(&ann.prefix),
             ann,
@@ -1470,8 +1491,8 @@ impl Connection {
             } else {
                 InState::WaitPool
             },
-            next: 0,
-            read: 0,
+            next: head,
+            read: head,
         });
         self.arrived
             .push_back(Arrived::Rendezvous { slot, transfer });
@@ -2110,7 +2131,7 @@ mod tests {
                 read_chunk: 300,
                 read_depth: 2,
                 max_outgoing: 2,
-                max_segments: 2,
+                announce_room: 96 - HEADER_LEN,
             },
             ..connection_config()
         }
@@ -2140,17 +2161,22 @@ mod tests {
 
     /// The peer announces transfer `id` of `len` bytes of call `call` in
     /// receive slot `slot`.
+    /// (Its first 32 bytes come with it, the rest lies at 0x1000.)
     fn announce(conn: &mut Connection, slot: u32, id: u64, len: u32, call: u64) {
         let segment = Segment {
             addr: 0x1000,
             rkey: 7,
-            len,
+            len: len - HEAD,
         };
         announce_segments(conn, slot, id, len, call, &[segment]);
     }
 
+    /// The head an announcement carries in these tests.
+    const HEAD: u32 = crate::proto::ANNOUNCE_PREFIX_LEN as u32;
+
     /// The peer announces transfer `id`, a frame of `len` bytes of call
-    /// `call` lying in `segments`.
+    /// `call`: its first `HEAD` bytes in the announcement, the rest in
+    /// `segments`.
     fn announce_segments(
         conn: &mut Connection,
         slot: u32,
@@ -2162,10 +2188,12 @@ mod tests {
         let mut h = Header::new(Kind::Announce);
         h.len = len;
         h.pos = id;
-        let ann = Announcement::new(frame_head(call), segments);
+        let ann = Announcement::new(HEAD as usize, frame_head(call), segments);
         let mut msg = vec![0; HEADER_LEN + ann.encoded_len()];
         h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
         ann.encode(&mut msg[HEADER_LEN..]);
+        let head_at = HEADER_LEN + ann.head_offset();
+        msg[head_at..head_at + HEAD as usize].copy_from_slice(&frame_head(call));
         complete(conn, WorkKind::Recv.wr_id(slot), &msg);
     }
 
@@ -2202,14 +2230,17 @@ mod tests {
         let short = Segment {
             addr: 0,
             rkey: 7,
-            len: 499,
+            len: 500 - HEAD - 1,
         };
         announce_segments(&mut conn, 0, 1, 500, 1, &[short]);
         assert!(conn
             .failure()
             .unwrap()
-            .contains("segments of 499 bytes for a frame of 500"));
-        let mut conn = rendezvous_connection();
+            .contains("head and segments of 499 bytes for a frame of 500"));
+        let mut conn = Connection::new(Config {
+            slot_size: 256,
+            ..rendezvous_connection_config()
+        });
         let wraps = Segment {
             addr: 0,
             rkey: 7,
@@ -2217,14 +2248,31 @@ mod tests {
         };
         announce_segments(&mut conn, 0, 1, 500, 1, &[wraps, short]);
         assert!(conn.failure().unwrap().contains("for a frame of 500"));
-        // A segment of nothing.
+        // Counts that do not fit the message, a segment of nothing.
+        let body = |head_len: u32, count: u32, segment_len: u32| {
+            let mut h = Header::new(Kind::Announce);
+            h.len = 500;
+            let mut msg = vec![0; HEADER_LEN + crate::proto::announce_body_len(1, HEAD as usize)];
+            h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+            msg[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&head_len.to_le_bytes());
+            msg[HEADER_LEN + 4..HEADER_LEN + 8].copy_from_slice(&count.to_le_bytes());
+            msg[HEADER_LEN + 20..HEADER_LEN + 24].copy_from_slice(&segment_len.to_le_bytes());
+            msg
+        };
+        for (msg, why) in [
+            (body(HEAD, 1, 0), "segment of 0 bytes"),
+            (body(HEAD, 0, 468), "0 segments"),
+            (body(HEAD, 2, 468), "not 2 segments and a head of 32"),
+            (body(HEAD + 1, 1, 467), "not 1 segments and a head of 33"),
+        ] {
+            let mut conn = rendezvous_connection();
+            complete(&mut conn, WorkKind::Recv.wr_id(0), &msg);
+            let failure = conn.failure().expect("failed");
+            assert!(failure.contains(why), "{why}: {failure}");
+        }
         let mut conn = rendezvous_connection();
-        let mut h = Header::new(Kind::Announce);
-        h.len = 500;
-        let mut msg = vec![0; HEADER_LEN + crate::proto::announce_body_len(1)];
-        h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
-        complete(&mut conn, WorkKind::Recv.wr_id(0), &msg);
-        assert!(conn.failure().unwrap().contains("segment of 0 bytes"));
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &body(HEAD, 1, 468));
+        assert_eq!(conn.failure(), None, "the same, well formed");
     }
 
     #[test]
@@ -2233,21 +2281,16 @@ mod tests {
             slot_size: 256,
             ..rendezvous_connection_config()
         });
-        // The head copied (40 bytes), a payload in place (900), a tail (60)
-        // after the head in the copied registration.
+        // The head in the announcement (32 bytes), a payload in place
+        // (908), small fields after it in a registration of their own (60).
         let segments = [
             Segment {
                 addr: 0,
-                rkey: 1,
-                len: 40,
+                rkey: 2,
+                len: 908,
             },
             Segment {
                 addr: 0,
-                rkey: 2,
-                len: 900,
-            },
-            Segment {
-                addr: 40,
                 rkey: 1,
                 len: 60,
             },
@@ -2277,11 +2320,11 @@ mod tests {
         assert_eq!(
             reads,
             [
-                (0, 40, 0, 1),
-                (40, 300, 0, 2),
-                (340, 300, 300, 2),
-                (640, 300, 600, 2),
-                (940, 60, 40, 1),
+                (32, 300, 0, 2),
+                (332, 300, 300, 2),
+                (632, 300, 600, 2),
+                (932, 8, 900, 2),
+                (940, 60, 0, 1),
             ]
         );
         let slots = Slots(vec![vec![0; 256]; RING_SLOTS as usize]);
@@ -2328,7 +2371,7 @@ mod tests {
         assert!(matches!(
             sent[..],
             [Transmit::Send { header: Header { kind: Kind::Announce, len: 500, pos, .. }, body_len, .. }]
-                if pos == transfer && body_len == crate::proto::announce_body_len(1)
+                if pos == transfer && body_len == crate::proto::announce_body_len(1, HEAD as usize)
         ));
         assert!(!conn.is_drained());
         let mut done = Header::new(Kind::Done);
@@ -2352,7 +2395,7 @@ mod tests {
         let allocs: Vec<_> = t
             .iter()
             .filter_map(|t| match t {
-                Transmit::Alloc { transfer, len } => Some((*transfer, *len)),
+                Transmit::Alloc { transfer, len, .. } => Some((*transfer, *len)),
                 _ => None,
             })
             .collect();
@@ -2373,7 +2416,10 @@ mod tests {
             .collect();
         assert_eq!(
             reads,
-            [(0, 0, 300, 0x1000, 7, 0), (0, 300, 300, 0x1000 + 300, 7, 1)]
+            [
+                (0, 32, 300, 0x1000, 7, 0),
+                (0, 332, 300, 0x1000 + 300, 7, 1)
+            ]
         );
         // A READ completing out of order is a broken verbs layer.
         let mut broken = rendezvous_connection();
@@ -2424,10 +2470,14 @@ mod tests {
         // The application drops one frame: the third is read.
         conn.handle_pool_released(1000);
         let t = transmits(&mut conn);
-        assert!(t.contains(&Transmit::Alloc {
-            transfer: 2,
-            len: 1000
-        }));
+        assert!(t.iter().any(|t| matches!(
+            t,
+            Transmit::Alloc {
+                transfer: 2,
+                len: 1000,
+                ..
+            }
+        )));
     }
 
     #[test]

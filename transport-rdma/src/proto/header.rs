@@ -155,14 +155,11 @@ impl Header {
                 }
             }
             Kind::Announce => {
-                let segments = body.checked_sub(super::ANNOUNCE_PREFIX_LEN);
-                if !segments.is_some_and(|n| {
-                    n % super::SEGMENT_LEN == 0
-                        && (1..=super::MAX_SEGMENTS).contains(&(n / super::SEGMENT_LEN))
-                }) {
+                // Its counts say the rest (`Announcement::decode`).
+                let least = super::announce_body_len(1, super::ANNOUNCE_PREFIX_LEN);
+                if body < least {
                     return Err(ProtocolError::new(format!(
-                        "announcement with a body of {body} bytes: not a prefix and 1 to {} segments",
-                        super::MAX_SEGMENTS
+                        "announcement with a body of {body} bytes, shorter than {least}"
                     )));
                 }
                 if header.flags != 0 || header.total != 0 {
@@ -252,22 +249,15 @@ mod tests {
         announce.len = 4096;
         announce.pos = 3;
         let mut msg = full(announce);
-        msg.extend_from_slice(&[0; crate::proto::ANNOUNCE_BODY_MAX]);
-        for segments in 1..=crate::proto::MAX_SEGMENTS {
-            let body = crate::proto::announce_body_len(segments);
-            assert_eq!(Header::decode(&msg, HEADER_LEN + body), Ok(announce));
-            assert!(Header::decode(&msg, HEADER_LEN + body - 1).is_err());
-        }
-        let one = crate::proto::announce_body_len(1);
-        assert!(Header::decode(&msg, HEADER_LEN + one - crate::proto::SEGMENT_LEN).is_err());
+        let least = crate::proto::announce_body_len(1, crate::proto::ANNOUNCE_PREFIX_LEN);
+        msg.extend_from_slice(&[0; 200]);
+        assert_eq!(Header::decode(&msg, HEADER_LEN + least), Ok(announce));
+        assert_eq!(Header::decode(&msg, HEADER_LEN + 200), Ok(announce));
+        assert!(Header::decode(&msg, HEADER_LEN + least - 1).is_err());
         assert!(Header::decode(&msg, HEADER_LEN).is_err(), "no body");
         announce.len = 8;
         assert!(
-            Header::decode(
-                &full(announce),
-                HEADER_LEN + crate::proto::announce_body_len(1)
-            )
-            .is_err(),
+            Header::decode(&full(announce), HEADER_LEN + least).is_err(),
             "shorter than its prefix"
         );
         let mut done = Header::new(Kind::Done);

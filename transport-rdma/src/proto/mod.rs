@@ -61,9 +61,8 @@ pub use reassembly::{Assembled, Reassembly};
 pub use refusal::{Refused, REFUSED_LEN};
 pub use region::{max_chunk, RegionReader, RegionWriter};
 pub use rendezvous::{
-    announce_body_len, lane, max_segments_in_slot, pool_charge, Announcement, RendezvousConfig,
-    Segment, ANNOUNCE_BODY_MAX, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS, PEEK_LEN, POOL_GRANULE,
-    SEGMENT_LEN,
+    announce_body_len, lane, pool_charge, Announcement, RendezvousConfig, Segment,
+    ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS, PEEK_LEN, POOL_GRANULE, SEGMENT_LEN,
 };
 
 /// The peer broke the protocol: the connection must be closed and its calls failed.

@@ -161,7 +161,7 @@ impl Side {
                         read_chunk: 50,
                         read_depth: 3,
                         max_outgoing: 3,
-                        max_segments: super::max_segments_in_slot(SLOT_SIZE),
+                        announce_room: SLOT_SIZE - HEADER_LEN,
                     },
                 },
             }),
@@ -235,13 +235,23 @@ fn send_frames(me: &mut Side) -> usize {
                     !me.sending[slot as usize],
                     "announcing from a slot in flight"
                 );
-                // Every other frame in two segments (each its own
-                // registration), as a payload registered in place is.
-                let cut = if transfer % 2 == 1 && me.conn.max_announced_segments() >= 2 {
-                    vec![0, frame.len() / 3, frame.len()]
+                // A head in the announcement (the prefix, or 8 more bytes
+                // every third frame), the rest in one segment, or in two
+                // (each its own registration) every other frame, as a
+                // payload registered in place is.
+                let head = if transfer % 3 == 0 {
+                    ANNOUNCE_PREFIX_LEN + 8
                 } else {
-                    vec![0, frame.len()]
+                    ANNOUNCE_PREFIX_LEN
                 };
+                let rest = frame.len() - head;
+                let mut cut = vec![head, frame.len()];
+                if transfer % 2 == 1
+                    && rest >= 2
+                    && announce_body_len(2, head) <= me.conn.announce_room()
+                {
+                    cut.insert(1, head + rest / 3);
+                }
                 let mut segments = Vec::new();
                 let mut rkeys = Vec::new();
                 for (i, piece) in cut.windows(2).enumerate() {
@@ -256,10 +266,13 @@ fn send_frames(me: &mut Side) -> usize {
                     rkeys.push(rkey);
                 }
                 let prefix = frame[..ANNOUNCE_PREFIX_LEN].try_into().expect("prefix");
-                let ann = Announcement::new(prefix, &segments);
-                ann.encode(&mut me.send[slot as usize][HEADER_LEN..]);
+                let ann = Announcement::new(head, prefix, &segments);
+                let body = &mut me.send[slot as usize][HEADER_LEN..];
+                ann.encode(body);
+                let at = ann.head_offset();
+                body[at..at + head].copy_from_slice(&frame[..head]);
                 assert!(me.transfers.insert(transfer, rkeys).is_none(), "id reused");
-                reservation = r.in_segments(segments.len());
+                reservation = r.announcing(ann.encoded_len());
                 None
             }
         };
@@ -314,9 +327,19 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 // Unsignaled: no completion.
                 after_write = true;
             }
-            Transmit::Alloc { transfer, len } => {
+            Transmit::Alloc {
+                transfer,
+                len,
+                slot,
+                head_at,
+                head_len,
+            } => {
+                // The head, from the announcement still in its slot.
+                let mut destination = vec![0; len];
+                destination[..head_len]
+                    .copy_from_slice(&me.slots[slot as usize][head_at..head_at + head_len]);
                 assert!(
-                    me.destinations.insert(transfer, vec![0; len]).is_none(),
+                    me.destinations.insert(transfer, destination).is_none(),
                     "a second destination for transfer {transfer}"
                 );
                 assert!(me.conn.pool_in_use() <= POOL, "pool over budget");
