@@ -16,8 +16,9 @@ use super::transfer::OutgoingTransfer;
 use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
 
 /// A rendezvous frame handed up in its destination: the destination goes
-/// back to the pool (deregistered, its bytes returned to the protocol's
-/// budget) when the last `Bytes` over it drops.
+/// back to the connection (its bytes returned to the protocol's budget, the
+/// memory kept as a spare or deregistered) when the last `Bytes` over it
+/// drops.
 struct PoolGuard {
     shared: Arc<Shared>,
     dest: Option<PoolBuffer>,
@@ -122,7 +123,6 @@ impl RdmaSink {
     /// byte stream's bytes: those that would wait for the peer's credits
     /// anyway are appended to the frame already waiting, if it has room
     /// ([`proto::Connection::append_inline`]), and nothing passes anything.
-    ///
     ///
     /// `frame`: the frame `encode` writes, if it is an rpc-core frame; a
     /// frame sent by rendezvous is then gathered from it instead, its
