@@ -59,8 +59,10 @@
 //!   ([`proto::RegionWriter`], [`proto::RegionReader`]); a `Chunk` SEND
 //!   follows each WRITE, which goes unsignaled (the SEND's completion
 //!   covers both: one completion per large frame or chunk, not two).
-//!   Frames larger than half the region are encoded on the heap and go in
-//!   chunks of at most 64 KiB, four at most in flight; small frames of
+//!   Frames larger than half the region go in chunks of at most 64 KiB,
+//!   each copied into staging from the frame's pieces (its large `Bytes`
+//!   where the application left them: the tensor is copied once), four at
+//!   most in flight; small frames of
 //!   other calls pass such a frame between its chunks, so they wait behind
 //!   at most 256 KiB of it in the send queue, not behind the whole tensor.
 //!   The receiver reports how far it has freed its region in every header.
@@ -83,8 +85,9 @@
 //!   frames of other calls keep flowing while one is read, and a full pool
 //!   makes transfers wait.
 //! - **Zero copy**: `poll_send` encodes each frame straight into registered
-//!   memory (frames above half the peer's region are encoded on the heap,
-//!   then copied chunk by chunk). Small received frames go up as
+//!   memory (frames above half the peer's region are copied chunk by chunk
+//!   from their pieces; by rendezvous a payload is not copied at all).
+//!   Small received frames go up as
 //!   [`bytes::Bytes`] pointing into their receive slot, reposted when the
 //!   last reference drops; once the application holds half the ring, frames
 //!   are copied out instead, so holding frames never stalls the connection.

@@ -527,7 +527,7 @@ fn send(conn: &mut Connection, len: usize, cancel: bool, m: &Model) {
             );
             None
         }
-        EncodeInto::Heap => Some(Bytes::from(vec![0x42; len])),
+        EncodeInto::Heap => Some(Bytes::from(vec![0x42; len]).into()),
         EncodeInto::Rendezvous { .. } => unreachable!("the rendezvous is off"),
     };
     let _ = conn.queue_frame(reservation, heap);

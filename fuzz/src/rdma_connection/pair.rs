@@ -16,8 +16,8 @@ use super::frame_len;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use transport_rdma::proto::{
-    Completion, Config, Connection, Delivered, EncodeInto, Header, ReadReceived, RendezvousConfig,
-    SendDecision, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS,
+    Completion, Config, Connection, Delivered, EncodeInto, FrameBytes, Header, ReadReceived,
+    RendezvousConfig, SendDecision, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS,
 };
 
 const SLOTS: u32 = 8;
@@ -273,7 +273,15 @@ fn send_frames(me: &mut Side) -> usize {
                 me.staging[range].copy_from_slice(&frame);
                 None
             }
-            EncodeInto::Heap => Some(Bytes::from(frame.clone())),
+            // In two pieces, as a frame gathered around a payload is.
+            EncodeInto::Heap => {
+                let frame = Bytes::from(frame.clone());
+                let half = frame.len() / 2;
+                Some(FrameBytes::new(vec![
+                    frame.slice(..half),
+                    frame.slice(half..),
+                ]))
+            }
             EncodeInto::Rendezvous { .. } => unreachable!("the rendezvous is off"),
         };
         me.conn.queue_frame(r, heap).expect("queued");
@@ -312,7 +320,7 @@ fn pump(me: &mut Side) -> usize {
                         !me.staged[range.clone()].iter().any(|&s| s),
                         "copying into staging {range:?} a WRITE has not read"
                     );
-                    me.staging[range.clone()].copy_from_slice(&data);
+                    data.copy_to(&mut me.staging[range.clone()]);
                 }
                 for s in &mut me.staged[range] {
                     *s = true;

@@ -8,12 +8,12 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes};
-use rpc_core::frame::OutFrame;
+use rpc_core::frame::{Gather, OutFrame};
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
 use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
 use super::transfer::OutgoingTransfer;
-use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
+use crate::proto::{Delivered, EncodeInto, FrameBytes, Reservation, SendDecision, HEADER_LEN};
 
 /// A rendezvous frame handed up in its destination: the destination goes
 /// back to the connection (its bytes returned to the protocol's budget, the
@@ -224,7 +224,9 @@ impl RdmaSink {
             out.encode_announcement(body);
             st.out_transfers.insert(transfer, out);
         } else {
-            // A chunked frame (up to the frame limit, 64 MiB) is encoded
+            // A chunked frame (up to the frame limit, 64 MiB) is gathered
+            // (its large `Bytes` by reference: each chunk is copied into
+            // staging from where the application left it) or encoded,
             // without the connection's lock: completions, receivers and
             // other senders go on meanwhile; its place is reserved.
             drop(st);
@@ -232,12 +234,24 @@ impl RdmaSink {
                 shared,
                 reservation,
             };
-            let mut data = Vec::with_capacity(len);
-            encode(&mut data);
+            let data = match frame {
+                Some(frame) => {
+                    let mut gather = Gather::new();
+                    frame.gather(&mut gather);
+                    let (mut pieces, tail) = gather.into_parts();
+                    pieces.push(tail.freeze());
+                    FrameBytes::new(pieces)
+                }
+                None => {
+                    let mut data = Vec::with_capacity(len);
+                    encode(&mut data);
+                    Bytes::from(data).into()
+                }
+            };
             std::mem::forget(encoding);
             st = shared.lock();
             let reservation = reservation.in_lane(call);
-            if let Err(refusal) = st.proto.queue_frame(reservation, Some(Bytes::from(data))) {
+            if let Err(refusal) = st.proto.queue_frame(reservation, Some(data)) {
                 st.wake();
                 return Poll::Ready(Err(refusal_error(refusal)));
             }

@@ -446,7 +446,11 @@ impl State {
                     // The chunk's staging bytes were just allocated to it:
                     // no posted WRITE reads them (the peer freed them, so
                     // earlier WRITEs landed) and no slice covers them.
-                    mem.staging.write_at(offset, &data);
+                    let mut at = offset;
+                    for piece in data.pieces() {
+                        mem.staging.write_at(at, piece);
+                        at += piece.len();
+                    }
                 }
                 // SAFETY: `staging[offset..offset + len]` holds this chunk,
                 // allocated to it until the peer reports it freed (after the

@@ -22,12 +22,10 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use bytes::Bytes;
-
 use super::rendezvous::{InState, Incoming, OutTransfer};
 use super::{
-    lane, pool_charge, route, Announcement, Assembled, CreditWindow, Delivery, Header, Kind,
-    ProtocolError, Reassembly, RecvRing, RegionReader, RegionWriter, RendezvousConfig, Route,
+    lane, pool_charge, route, Announcement, Assembled, CreditWindow, Delivery, FrameBytes, Header,
+    Kind, ProtocolError, Reassembly, RecvRing, RegionReader, RegionWriter, RendezvousConfig, Route,
     ANNOUNCE_PREFIX_LEN, FIRST, HEADER_LEN, LAST,
 };
 
@@ -129,9 +127,9 @@ pub enum Transmit {
         len: usize,
         /// The region stream position (`offset` is `pos % region_len`).
         pos: u64,
-        /// A heap frame's chunk to copy in first; `None` when the frame was
-        /// encoded in place.
-        data: Option<Bytes>,
+        /// A chunked frame's chunk to copy in first; `None` when the frame
+        /// was encoded in place.
+        data: Option<FrameBytes>,
     },
     /// Write `header` at the start of send slot `slot`, then SEND the
     /// header and the `body_len` bytes after it.
@@ -200,9 +198,9 @@ pub enum EncodeInto {
         /// Offset in staging.
         offset: usize,
     },
-    /// A buffer of the caller's own (the frame is chunked); encode it
-    /// without holding what guards this connection, then
-    /// [`queue_frame`](Connection::queue_frame) it with the bytes.
+    /// Bytes of the caller's own (the frame is chunked): gather or encode
+    /// it without holding what guards this connection, then
+    /// [`queue_frame`](Connection::queue_frame) it with them.
     Heap,
     /// A rendezvous: register memory for this transfer (remote read
     /// access), encode the frame into it without holding what guards this
@@ -469,10 +467,10 @@ enum Out {
     },
     /// Frame encoded in the staging region at `pos`; `slot` carries the header.
     Region { slot: u32, pos: u64, len: u32 },
-    /// Frame larger than a chunk, encoded on the heap; sent chunk by
+    /// Frame larger than a chunk, in the caller's bytes; sent chunk by
     /// chunk. Inline frames of other calls pass it between chunks.
     Heap {
-        data: Bytes,
+        data: FrameBytes,
         done: usize,
         lane: Option<u64>,
     },
@@ -901,7 +899,7 @@ impl Connection {
     /// chunked frame's bytes). A chunked frame, encoded without this
     /// connection's guard, is refused if the connection failed or closed
     /// meanwhile (its place is given back).
-    pub fn queue_frame(&mut self, r: Reservation, heap: Option<Bytes>) -> Result<(), Refusal> {
+    pub fn queue_frame(&mut self, r: Reservation, heap: Option<FrameBytes>) -> Result<(), Refusal> {
         let out = match r.place {
             Place::Inline { slot } => Out::Inline {
                 slot,
@@ -1010,7 +1008,7 @@ impl Connection {
         self.in_flight += 1;
     }
 
-    fn push_write(&mut self, pos: u64, len: usize, data: Option<Bytes>) {
+    fn push_write(&mut self, pos: u64, len: usize, data: Option<FrameBytes>) {
         self.region_sent_to = self.region_sent_to.max(pos + len as u64);
         self.transmit.push_back(Transmit::Write {
             offset: self.writer.offset(pos),
@@ -2093,7 +2091,7 @@ mod tests {
             };
             let mut frame = vec![0; len];
             frame[4..12].copy_from_slice(&call.to_le_bytes());
-            let heap = (len > conn.max_unchunked()).then(|| Bytes::from(frame));
+            let heap = (len > conn.max_unchunked()).then(|| bytes::Bytes::from(frame).into());
             conn.queue_frame(reservation.in_lane(Some(call)), heap)
                 .unwrap();
         };

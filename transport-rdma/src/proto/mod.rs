@@ -41,6 +41,7 @@
 pub mod auth;
 mod connection;
 mod credit;
+mod frame_bytes;
 mod header;
 mod hello;
 mod reassembly;
@@ -55,6 +56,7 @@ pub use connection::{
     Refusal, Reservation, SendDecision, Transmit, Wakeups, WorkKind, CTRL_SLOTS, HEAP_SLOTS,
 };
 pub use credit::{CreditWindow, Delivery, RecvRing};
+pub use frame_bytes::FrameBytes;
 pub use header::{Header, Kind, FIRST, HEADER_LEN, LAST};
 pub use hello::{Hello, HelloLimits, FLAG_READS_RENDEZVOUS, HELLO_LEN, MAGIC, VERSION};
 pub use reassembly::{Assembled, Reassembly};

@@ -229,7 +229,16 @@ fn send_frames(me: &mut Side) -> usize {
                 me.staging[offset..offset + frame.len()].copy_from_slice(&frame);
                 None
             }
-            EncodeInto::Heap => Some(Bytes::from(frame)),
+            // In three pieces, as a frame gathered around a payload is.
+            EncodeInto::Heap => {
+                let frame = Bytes::from(frame);
+                let (a, b) = (frame.len() / 3, frame.len() * 2 / 3);
+                Some(FrameBytes::new(vec![
+                    frame.slice(..a),
+                    frame.slice(a..b),
+                    frame.slice(b..),
+                ]))
+            }
             EncodeInto::Rendezvous { slot, transfer } => {
                 assert!(
                     !me.sending[slot as usize],
@@ -314,7 +323,7 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 data,
             } => {
                 if let Some(data) = data {
-                    me.staging[offset..offset + len].copy_from_slice(&data);
+                    data.copy_to(&mut me.staging[offset..offset + len]);
                 }
                 // The RDMA WRITE: lands in the peer's region before the SEND.
                 for o in &mut peer.occupied[offset..offset + len] {
