@@ -1,6 +1,7 @@
 //! What the RDMA transport reports for metrics
 //! ([`Transport::stats`](rpc_core::transport::Transport::stats)): memory
-//! pinned now and device async events seen. rpc-core counts what every
+//! pinned now, device async events seen, connect requests refused, and
+//! how rendezvous frames left (read in place, or copied first). rpc-core counts what every
 //! transport has (connections, reconnects, sends that waited for credits).
 //!
 //! The values are kept where they happen, as the verbs layer sees them
@@ -74,7 +75,24 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
             .with_label("reason", reason.to_string()),
         );
     }
+    let (in_place, copied) = crate::rendezvous_bytes_sent();
+    stats.extend(rendezvous_stats(in_place, copied));
     stats
+}
+
+/// How this process's rendezvous frames left: `in_place` bytes read by
+/// the peer where the application left them, `copied` copied into
+/// registered memory first.
+fn rendezvous_stats(in_place: u64, copied: u64) -> [TransportStat; 2] {
+    [("in_place", in_place), ("copied", copied)].map(|(how, bytes)| {
+        TransportStat::counter(
+            "rdma_rendezvous_sent_bytes",
+            "Bytes of rendezvous frames sent, by how: read by the peer where the application \
+             left them (in_place), or copied into registered memory first (copied)",
+            bytes,
+        )
+        .with_label("how", how.to_string())
+    })
 }
 
 fn stats_of(pinned: u64, events: &[DeviceEventCounts]) -> Vec<TransportStat> {
@@ -118,6 +136,25 @@ mod tests {
     use rpc_core::transport::stats::StatKind;
 
     use super::*;
+
+    #[test]
+    fn rendezvous_bytes_are_counted_by_how_they_left() {
+        let stats = rendezvous_stats(10, 3);
+        let by_how: Vec<_> = stats
+            .iter()
+            .map(|s| {
+                assert_eq!(
+                    (s.name, s.kind),
+                    ("rdma_rendezvous_sent_bytes", StatKind::Counter)
+                );
+                (s.labels[0].1.as_str(), s.value)
+            })
+            .collect();
+        assert_eq!(by_how, [("in_place", 10), ("copied", 3)]);
+        assert!(transport_stats()
+            .iter()
+            .any(|s| s.name == "rdma_rendezvous_sent_bytes"));
+    }
 
     #[test]
     fn event_labels_are_the_short_lower_case_names() {
