@@ -8,12 +8,12 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes};
-use rpc_core::frame::{Gather, OutFrame};
+use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
 use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
 use super::transfer::OutgoingTransfer;
-use crate::proto::{Delivered, EncodeInto, FrameBytes, Reservation, SendDecision, HEADER_LEN};
+use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
 
 /// A rendezvous frame handed up in its destination: the destination goes
 /// back to the connection (its bytes returned to the protocol's budget, the
@@ -235,13 +235,7 @@ impl RdmaSink {
                 reservation,
             };
             let data = match frame {
-                Some(frame) => {
-                    let mut gather = Gather::new();
-                    frame.gather(&mut gather);
-                    let (mut pieces, tail) = gather.into_parts();
-                    pieces.push(tail.freeze());
-                    FrameBytes::new(pieces)
-                }
+                Some(frame) => super::transfer::pieces(frame),
                 None => {
                     let mut data = Vec::with_capacity(len);
                     encode(&mut data);

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::{BufMut, Bytes};
 use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
 
-use crate::proto::{announce_body_len, Announcement, Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS};
+use crate::proto::{
+    announce_body_len, Announcement, FrameBytes, Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS,
+};
 use crate::verbs::{self, Access, MemoryRegion, ProtectionDomain, RegisteredBytes};
 
 /// `Bytes` of a frame at least this long are registered where they lie;
@@ -39,6 +41,16 @@ pub fn rendezvous_bytes_sent() -> (u64, u64) {
         SENT_IN_PLACE.load(Ordering::Relaxed),
         SENT_COPIED.load(Ordering::Relaxed),
     )
+}
+
+/// `frame`'s bytes as [`Gather`] keeps them: each large `Bytes` by
+/// reference, the small bytes between them copied.
+pub(crate) fn pieces(frame: &OutFrame<'_>) -> FrameBytes {
+    let mut gather = Gather::new();
+    frame.gather(&mut gather);
+    let (mut pieces, tail) = gather.into_parts();
+    pieces.push(tail.freeze());
+    FrameBytes::new(pieces)
 }
 
 /// One of our transfers: its announcement, the head it carries, and the
@@ -96,14 +108,17 @@ impl OutgoingTransfer {
         frame: &OutFrame<'_>,
         room: usize,
     ) -> Result<OutgoingTransfer, verbs::Error> {
-        let mut gather = Gather::new();
-        frame.gather(&mut gather);
-        let (mut pieces, tail) = gather.into_parts();
-        pieces.push(tail.freeze());
-        pieces.retain(|p| !p.is_empty());
+        let gathered = pieces(frame);
+        let pieces = gathered.pieces();
+        // Copied as gathered, not encoded again.
+        let copy_all = |dst: &mut dyn BufMut| {
+            for piece in pieces {
+                dst.put_slice(piece);
+            }
+        };
         let in_place = |p: &Bytes| p.len() >= REGISTER_IN_PLACE_MIN;
         let Some(first_large) = pieces.iter().position(in_place) else {
-            return Self::encoded(pd, frame.len(), |dst| frame.encode(dst));
+            return Self::encoded(pd, frame.len(), copy_all);
         };
         let head_len = pieces[..first_large]
             .iter()
@@ -118,7 +133,7 @@ impl OutgoingTransfer {
             .filter(|&(i, p)| in_place(p) || in_place(&rest[i - 1]))
             .count();
         if segments > MAX_SEGMENTS || announce_body_len(segments, head_len) > room {
-            return Self::encoded(pd, frame.len(), |dst| frame.encode(dst));
+            return Self::encoded(pd, frame.len(), copy_all);
         }
         let copied_len: usize = rest.iter().filter(|p| !in_place(p)).map(Bytes::len).sum();
         let copied = if copied_len > 0 {
@@ -131,7 +146,7 @@ impl OutgoingTransfer {
             None
         };
         let mut head = Vec::with_capacity(head_len);
-        for piece in &pieces[..first_large] {
+        for piece in pieces[..first_large].iter() {
             head.extend_from_slice(piece);
         }
         let mut registered = Vec::new();

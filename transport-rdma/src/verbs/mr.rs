@@ -148,7 +148,6 @@ impl MemoryRegion {
 
     /// The allocation of a `len`-byte buffer: whole pages.
     fn layout(len: usize) -> std::alloc::Layout {
-        const PAGE: usize = 4096;
         std::alloc::Layout::from_size_align(len.next_multiple_of(PAGE), PAGE)
             .expect("a memory region's size fits the address space")
     }
@@ -459,11 +458,13 @@ impl Drop for RegisteredBytes {
 
 /// Bytes of the whole pages `bytes` lie on (what registering them pins).
 fn pages_spanned(bytes: &[u8]) -> u64 {
-    const PAGE: usize = 4096;
     let start = bytes.as_ptr() as usize;
     let first = start - start % PAGE;
     ((start + bytes.len()).next_multiple_of(PAGE) - first) as u64
 }
+
+/// Registration pins whole pages of this size.
+const PAGE: usize = 4096;
 
 /// Bytes registered by the [`MemoryRegion`]s of this process now.
 static REGISTERED: AtomicU64 = AtomicU64::new(0);
