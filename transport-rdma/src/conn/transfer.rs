@@ -101,8 +101,9 @@ impl OutgoingTransfer {
     /// `frame` gathered: its head and small fields up to its first large
     /// `Bytes` sent in the announcement, each large `Bytes` registered
     /// where it lies, small fields after one copied into a registration of
-    /// their own. Encoded as a whole instead when it has no large `Bytes`,
-    /// or the announcement would not fit `room` bytes (the peer's slot).
+    /// their own. Copied whole into one registration instead when it has no
+    /// large `Bytes`, or the announcement would not fit `room` bytes (the
+    /// peer's slot).
     pub(crate) fn gathered(
         pd: &ProtectionDomain,
         frame: &OutFrame<'_>,
