@@ -49,8 +49,9 @@
 //! The reader ([`reader::FrameReader`], no I/O in it) reads into one buffer,
 //! and the rest of each piece straight into the buffer of the frame it
 //! belongs to, and hands each frame up as a [`bytes::Bytes`] slice of it (no copy), or,
-//! up to [`reader::COPY_UP_TO`] bytes, as a copy (cheaper for small frames
-//! than sharing the buffer). The buffer grows with the bytes that arrived, never
+//! up to [`reader::COPY_UP_TO`] bytes, as a copy into a small buffer
+//! shared by such frames ([`reader::SMALL_FRAMES`]: cheaper for small
+//! frames than sharing the read buffer or an allocation each). The buffer grows with the bytes that arrived, never
 //! with the length a peer announces; a frame over 64 KiB claims its length
 //! from the transport's [read budget](TcpTransport::read_budget) first,
 //! and then the buffer makes room for all of it at once, so the rest of

@@ -53,19 +53,22 @@ pub const PIECE: u32 = 1 << 31;
 pub const PIECE_LEN: usize = 256 * 1024;
 
 /// Frames up to this length are copied out of the buffer rather than
-/// handed out as slices of it. A slice shares the buffer: making it
-/// shareable allocates, and while the frame lives (a handler holds its
-/// request) the next read cannot reuse the buffer and allocates a new one.
-/// For a small frame one small allocation and a short copy cost less:
-/// −1,000 instructions per 32-byte echo call. Once the runtime's own
-/// per-call work shrank, the 64 KiB buffer a shared read buffer makes the
-/// next read allocate outweighed copying 1 KiB too: copying frames up to
-/// 4 KiB made a 1 KiB echo call −420 instructions (18,598 → 18,177,
-/// `cargo xtask bench --instructions`), hence 4096. The other way round
-/// when handlers run on the reader (`ServerBuilder::inline_handlers`):
-/// the request is dropped before the next read, the buffer is reused, and
-/// the copy costs +650 (15,179 → 15,826). The default is what counts here.
+/// handed out as slices of it. A slice shares the buffer: while the frame
+/// lives (a handler holds its request) the next read cannot reuse the
+/// buffer and allocates a new one, and a small frame kept for long pins a
+/// whole read buffer. Copying frames up to 4 KiB made a 1 KiB echo call
+/// −420 instructions (18,598 → 18,177, `cargo xtask bench --instructions`),
+/// hence 4096. The copies go into a small shared buffer of their own
+/// ([`SMALL_FRAMES`]), not into an allocation each.
 pub const COPY_UP_TO: usize = 4096;
+
+/// Capacity of the buffer small frames are copied into, one after the
+/// other: each frame is a shared slice of it (no allocation of its own,
+/// nor when the application slices it again, as prost does for a `bytes`
+/// field). Once every frame in it is dropped it is reused from the start;
+/// a frame kept for long pins at most this much. An allocation per frame
+/// and its sharing when sliced cost ~700 instructions a 32-byte echo call.
+pub const SMALL_FRAMES: usize = 8 * 1024;
 
 /// Cuts a connection's byte stream into frames under [`FrameLimits`]:
 /// its own frames, and those of the bulk stream its pieces carry.
@@ -307,6 +310,8 @@ impl FrameReader {
 #[derive(Debug)]
 struct FrameStream {
     buf: BytesMut,
+    /// Where frames up to [`COPY_UP_TO`] bytes are copied ([`SMALL_FRAMES`]).
+    small: BytesMut,
     limits: FrameLimits,
     /// Bytes of an oversized frame still to drop.
     skip: usize,
@@ -318,6 +323,7 @@ impl FrameStream {
     fn new(limits: FrameLimits) -> FrameStream {
         FrameStream {
             buf: BytesMut::new(),
+            small: BytesMut::new(),
             limits,
             skip: 0,
             after_large: false,
@@ -362,10 +368,14 @@ impl FrameStream {
         self.buf.advance(PREFIX_LEN);
         self.after_large = len > READ_CHUNK;
         if len <= COPY_UP_TO {
-            // Copied: the buffer stays unshared, so the next read reuses it.
-            let frame = Bytes::copy_from_slice(&self.buf[..len]);
+            // Copied: the read buffer stays unshared, so the next read reuses it.
+            if self.small.capacity() < len {
+                // Reuses the buffer if no frame in it is alive, else a new one.
+                self.small.reserve(SMALL_FRAMES);
+            }
+            self.small.extend_from_slice(&self.buf[..len]);
             self.buf.advance(len);
-            return Ok(Some(frame));
+            return Ok(Some(self.small.split().freeze()));
         }
         Ok(Some(self.buf.split_to(len).freeze()))
     }
@@ -823,6 +833,44 @@ mod tests {
     }
 
     #[test]
+    #[test]
+    fn small_frames_share_one_buffer_reused_only_once_none_of_them_is_alive() {
+        let mut r = reader();
+        let mut next = |byte: u8| {
+            r.extend_from_slice(&framed(&[byte; 1000]));
+            r.next_frame().unwrap().expect("a whole frame")
+        };
+        // Copied one after the other into one buffer.
+        let first = next(1);
+        let second = next(2);
+        assert_eq!(second.as_ptr(), first.as_ptr().wrapping_add(1000));
+        // Kept: frames after it never overwrite it, however many pass.
+        let start = first.as_ptr();
+        drop(second);
+        for byte in 3..40 {
+            let frame = next(byte);
+            assert_eq!(frame, vec![byte; 1000]);
+        }
+        assert_eq!(first, vec![1; 1000]);
+        // Once none is alive, the buffer frames go into is reused from its start.
+        let mut reused = false;
+        for byte in 40..60 {
+            reused |= next(byte).as_ptr() == start;
+        }
+        assert!(!reused, "reused while a frame in it was alive");
+        drop(first);
+        let mut r = reader();
+        let mut next = |byte: u8| {
+            r.extend_from_slice(&framed(&[byte; 1000]));
+            let frame = r.next_frame().unwrap().expect("a whole frame");
+            assert_eq!(frame, vec![byte; 1000]);
+            frame.as_ptr()
+        };
+        let start = next(0);
+        // Eight fit: the ninth starts over at the front.
+        assert!((1..9).any(|byte| next(byte) == start), "not reused");
+    }
+
     fn an_oversized_frame_is_reported_with_its_head_then_dropped() {
         let mut r = FrameReader::new(FrameLimits { max_frame_len: 100 });
         let body: Vec<u8> = (0..150u8).collect();
