@@ -833,7 +833,6 @@ mod tests {
     }
 
     #[test]
-    #[test]
     fn small_frames_share_one_buffer_reused_only_once_none_of_them_is_alive() {
         let mut r = reader();
         let mut next = |byte: u8| {
@@ -871,6 +870,7 @@ mod tests {
         assert!((1..9).any(|byte| next(byte) == start), "not reused");
     }
 
+    #[test]
     fn an_oversized_frame_is_reported_with_its_head_then_dropped() {
         let mut r = FrameReader::new(FrameLimits { max_frame_len: 100 });
         let body: Vec<u8> = (0..150u8).collect();
