@@ -161,7 +161,7 @@ pub enum FrameBody {
     /// See [`FrameKind::Request`].
     Request {
         /// `/package.Service/Method`.
-        method: String,
+        method: MethodPath,
         /// Time the client allows, measured from when it sent the frame.
         timeout: Option<Duration>,
         /// Request metadata.
@@ -248,7 +248,7 @@ impl Frame {
         let body = match kind {
             FrameKind::Request => {
                 unexpected(END_STREAM | HAS_PAYLOAD | HAS_TIMEOUT)?;
-                let method = get_string(&mut fields, 2, "method")?;
+                let method = MethodPath::of(whole, get_bytes(&mut fields, 2, "method")?)?;
                 let micros = get_u64(&mut fields, "timeout")?;
                 let timeout = (flags & HAS_TIMEOUT != 0).then(|| Duration::from_micros(micros));
                 let metadata = get_metadata(whole, &mut fields)?;
@@ -305,6 +305,65 @@ impl Frame {
             payload,
             body,
         })
+    }
+}
+
+/// A call's method path, `/package.Service/Method`, as it arrived: UTF-8,
+/// a slice of its frame's bytes (no allocation of its own). It reads as a
+/// `str`:
+///
+/// ```
+/// use rpc_core::frame::MethodPath;
+///
+/// let path = MethodPath::from_static("/greeter.Greeter/SayHello");
+/// assert_eq!(path.split_once("/Say"), Some(("/greeter.Greeter", "Hello")));
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct MethodPath(Bytes);
+
+impl MethodPath {
+    /// A path from a string known at compile time.
+    pub fn from_static(path: &'static str) -> MethodPath {
+        MethodPath(Bytes::from_static(path.as_bytes()))
+    }
+
+    /// `field`, a part of `frame`, as a path if it is UTF-8.
+    fn of(frame: &Bytes, field: &[u8]) -> Result<MethodPath, FrameError> {
+        std::str::from_utf8(field).map_err(|_| FrameError::Invalid("method"))?;
+        Ok(MethodPath(frame.slice_ref(field)))
+    }
+
+    /// The path.
+    pub fn as_str(&self) -> &str {
+        // SAFETY: both constructors take UTF-8 only (`of` checks it), and
+        // the bytes never change.
+        unsafe { std::str::from_utf8_unchecked(&self.0) }
+    }
+}
+
+impl From<String> for MethodPath {
+    fn from(path: String) -> MethodPath {
+        MethodPath(Bytes::from(path))
+    }
+}
+
+impl std::ops::Deref for MethodPath {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::fmt::Display for MethodPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for MethodPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
@@ -711,7 +770,7 @@ mod tests {
         assert_eq!(
             decoded.body,
             FrameBody::Request {
-                method: "/pkg.Svc/Do".into(),
+                method: MethodPath::from_static("/pkg.Svc/Do"),
                 timeout: Some(Duration::from_millis(1500)),
                 metadata
             }
@@ -810,6 +869,36 @@ mod tests {
         assert_eq!(
             Frame::decode(bytes.into()),
             Err(FrameError::Truncated("method"))
+        );
+    }
+
+    #[test]
+    fn a_method_path_is_checked_utf8_and_shares_its_frame() {
+        let request = |method: &[u8]| {
+            let mut bytes = vec![PROTOCOL_VERSION, FrameKind::Request as u8, 0, 0];
+            bytes.extend_from_slice(&1u64.to_le_bytes());
+            let header = 2 + method.len() + 8 + 2;
+            bytes.extend_from_slice(&(header as u32).to_le_bytes());
+            bytes.extend_from_slice(&0u32.to_le_bytes());
+            bytes.extend_from_slice(&(method.len() as u16).to_le_bytes());
+            bytes.extend_from_slice(method);
+            bytes.extend_from_slice(&[0; 10]); // no timeout, no metadata
+            Bytes::from(bytes)
+        };
+        let frame = request(b"/pkg.Svc/Do");
+        let range = frame.as_ptr_range();
+        let Ok(Frame {
+            body: FrameBody::Request { method, .. },
+            ..
+        }) = Frame::decode(frame)
+        else {
+            panic!("a well-formed request");
+        };
+        assert_eq!(&*method, "/pkg.Svc/Do");
+        assert!(range.contains(&method.as_ptr()), "copied out of its frame");
+        assert_eq!(
+            Frame::decode(request(b"/pkg.Svc/\xff")),
+            Err(FrameError::Invalid("method"))
         );
     }
 
@@ -924,7 +1013,7 @@ mod tests {
             assert_eq!(decoded.payload, carries.then(|| payload.clone()));
             let expected = match body {
                 OutBody::Request { .. } => FrameBody::Request {
-                    method: method.clone(),
+                    method: MethodPath::from(method.clone()),
                     timeout,
                     metadata: metadata.clone(),
                 },

@@ -16,7 +16,9 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::flow::{SendWindow, INITIAL_STREAM_WINDOW};
-use crate::frame::{peek_head, EncodePayload, Frame, FrameBody, FrameKind, OutBody, OutFrame};
+use crate::frame::{
+    peek_head, EncodePayload, Frame, FrameBody, FrameKind, MethodPath, OutBody, OutFrame,
+};
 use crate::gate::WakeGate;
 use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
 use crate::keepalive::{KeepaliveTimer, Tick};
@@ -133,7 +135,7 @@ struct CallSlot {
     early_grants: u64,
     task: Option<CallTask>,
     /// The call's method, `/package.Service/Method`.
-    path: String,
+    path: MethodPath,
     /// When interceptors admitted the call, for their `on_end`; `None`
     /// when the server has none.
     started: Option<Instant>,
@@ -224,7 +226,7 @@ impl ServerConn {
     fn end_call_for_final(
         &self,
         id: u64,
-    ) -> Option<(FinalInFlight<'_>, Option<(String, Instant)>)> {
+    ) -> Option<(FinalInFlight<'_>, Option<(MethodPath, Instant)>)> {
         let mut calls = self.calls();
         let slot = calls.remove(&id)?;
         slot.close_window();
@@ -494,7 +496,7 @@ impl ServerConn {
     fn open_call(
         self: &Arc<Self>,
         id: u64,
-        path: String,
+        path: MethodPath,
         timeout: Option<Duration>,
         mut metadata: MetadataMap,
         first: Option<Bytes>,
@@ -637,7 +639,7 @@ impl ServerConn {
     fn call_path(&self, id: u64) -> String {
         self.calls()
             .get(&id)
-            .map_or_else(|| "the handler".to_owned(), |slot| slot.path.clone())
+            .map_or_else(|| "the handler".to_owned(), |slot| slot.path.to_string())
     }
 }
 
