@@ -5,7 +5,8 @@
 //! call-instructions SYSTEM CALLS SIZE
 //! ```
 //!
-//! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-mem`
+//! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-64`
+//! (the same, 64 tasks making calls at once on one channel), `rpc-mem`
 //! (the same over `mem://`), `rpc-metrics` (`rpc` with `rpc-metrics`
 //! recording on both sides), `rpc-intercept` (`rpc` with an interceptor
 //! that does nothing on both sides: the hooks' own cost), `rpc-inline`
@@ -23,8 +24,11 @@ use rpc_core::intercept::CallHead;
 use rpc_core::{Endpoint, Server, ServerBuilder};
 use rpc_metrics::RpcMetrics;
 
-const USAGE: &str =
-    "usage: call-instructions rpc|rpc-mem|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
+const USAGE: &str = "usage: call-instructions \
+    rpc|rpc-64|rpc-mem|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
+
+/// Calls `rpc-64` keeps in flight.
+const IN_FLIGHT: usize = 64;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Error> {
@@ -52,6 +56,28 @@ async fn main() -> Result<(), Error> {
         "rpc-inline" => {
             let server = Server::builder().inline_handlers(true);
             custom(server, |e| e, calls, &payload).await
+        }
+        "rpc-64" => {
+            let (address, serving) = server::start(System::Rpc, "tcp://127.0.0.1:0").await?;
+            tokio::spawn(serving);
+            let client = client::connect(System::Rpc, &address).await?;
+            // 64 callers, each its share of `calls`.
+            let callers: Vec<_> = (0..IN_FLIGHT)
+                .map(|i| {
+                    let (mut client, payload) = (client.clone(), payload.clone());
+                    let share = calls / IN_FLIGHT + usize::from(i < calls % IN_FLIGHT);
+                    tokio::spawn(async move {
+                        for _ in 0..share {
+                            client.echo(&payload).await?;
+                        }
+                        Ok::<_, Error>(())
+                    })
+                })
+                .collect();
+            for caller in callers {
+                caller.await??;
+            }
+            Ok(())
         }
         "raw" => {
             let (address, serving) = server::start(System::Raw, "tcp://127.0.0.1:0").await?;

@@ -21,9 +21,13 @@ pub(crate) const MARKERS: (&str, &str) = (
 );
 
 /// The programs counted: `call-instructions` argument, and the row's title.
-const SYSTEMS: [(&str, &str); 7] = [
+const SYSTEMS: [(&str, &str); 8] = [
     ("raw", "raw length-prefixed echo, loopback TCP (floor)"),
     ("rpc", "rdma-rpc over `tcp://`"),
+    (
+        "rpc-64",
+        "rdma-rpc over `tcp://`, 64 calls in flight on one channel (× raw: the raw echo one at a time)",
+    ),
     (
         "rpc-inline",
         "rdma-rpc over `tcp://`, handlers run on the reader (`inline_handlers`)",
@@ -133,7 +137,7 @@ fn report(counts: &Counts, command: &str) -> String {
          - Date: {}\n\
          - Program: `benches/src/bin/call-instructions.rs`, unary `Echo` of the benchmark's \
          proto (prost on both frameworks), client and server in one process on a current-thread \
-         runtime, one call at a time; user-space instructions counted by \
+         runtime, one call at a time unless the row says otherwise; user-space instructions counted by \
          `valgrind --tool=callgrind`, per call = (2,200 calls − 200 calls) / 2,000.\n\n\
          | program | 32 B | × raw | 1 KiB | × raw |\n|---|---:|---:|---:|---:|\n",
         MARKERS.0,
