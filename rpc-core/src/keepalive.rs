@@ -9,6 +9,7 @@
 //! `Unavailable`.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
@@ -67,8 +68,10 @@ impl KeepaliveTimer {
         self.config.is_some()
     }
 
-    /// Waits until the reader must act; `received` is its count of frames so far.
-    pub(crate) async fn tick(&mut self, received: u64) -> Tick {
+    /// Waits until the reader must act; `received` counts the connection's
+    /// frames so far (read when the timer fires: whoever reads frames
+    /// counts them, the reader or a caller reading for itself).
+    pub(crate) async fn tick(&mut self, received: &AtomicU64) -> Tick {
         let Some(config) = self.config else {
             return std::future::pending().await;
         };
@@ -76,6 +79,7 @@ impl KeepaliveTimer {
             let (gate, sleep) = (&self.gate, &mut self.sleep);
             std::future::poll_fn(|cx| gate.poll(cx, sleep.as_mut())).await;
             let now = Instant::now();
+            let received = received.load(Ordering::Relaxed);
             // A fired sleep holds no waker: each reset is polled again (forced).
             if received != self.seen {
                 self.seen = received;
@@ -107,9 +111,12 @@ mod tests {
     async fn silence_pings_then_declares_the_peer_dead() {
         let mut timer = KeepaliveTimer::new(Some(CONFIG));
         let start = Instant::now();
-        assert_eq!(timer.tick(0).await, Tick::Ping);
+        assert_eq!(timer.tick(&AtomicU64::new(0)).await, Tick::Ping);
         assert_eq!(start.elapsed(), Duration::from_secs(10));
-        assert_eq!(timer.tick(0).await, Tick::Dead(Duration::from_secs(15)));
+        assert_eq!(
+            timer.tick(&AtomicU64::new(0)).await,
+            Tick::Dead(Duration::from_secs(15))
+        );
         assert_eq!(start.elapsed(), Duration::from_secs(15));
     }
 
@@ -117,9 +124,9 @@ mod tests {
     async fn any_frame_resets_the_timer() {
         let mut timer = KeepaliveTimer::new(Some(CONFIG));
         let start = Instant::now();
-        assert_eq!(timer.tick(0).await, Tick::Ping);
+        assert_eq!(timer.tick(&AtomicU64::new(0)).await, Tick::Ping);
         // The pong (a frame) arrived: the next ping comes a full interval after the check.
-        assert_eq!(timer.tick(1).await, Tick::Ping);
+        assert_eq!(timer.tick(&AtomicU64::new(1)).await, Tick::Ping);
         assert_eq!(start.elapsed(), Duration::from_secs(10 + 5 + 10));
     }
 
@@ -127,7 +134,11 @@ mod tests {
     async fn disabled_never_fires() {
         let mut timer = KeepaliveTimer::new(None);
         assert!(!timer.enabled());
-        let fired = tokio::time::timeout(Duration::from_secs(1_000_000), timer.tick(0)).await;
+        let fired = tokio::time::timeout(
+            Duration::from_secs(1_000_000),
+            timer.tick(&AtomicU64::new(0)),
+        )
+        .await;
         assert!(fired.is_err());
     }
 }

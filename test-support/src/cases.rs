@@ -286,6 +286,59 @@ pub async fn dropping_the_call_cancels_the_handler(listen: String, _profile: &Pr
     server.stop().await;
 }
 
+/// The only call open reads its connection itself while it waits; when
+/// its caller gives up, the reader task must read again: a response
+/// stream (which only the reader task reads) still gets every message,
+/// and a server that dies is still noticed.
+pub async fn a_caller_that_read_for_itself_and_gave_up_hands_reading_back(
+    listen: String,
+    _profile: &Profile,
+) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    for round in 0..3 {
+        let call = client.unary::<BytesCodec>(
+            "/test.Test/Sleep",
+            Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
+        );
+        let probes = &server.probes;
+        tokio::select! {
+            _ = call => panic!("a 10 s call finished"),
+            _ = probes.wait_until(Duration::from_secs(5), || probes.sleeping.load(Ordering::SeqCst) == round + 1) => {}
+        }
+        // The waiting call is dropped here; then a stream, read by the reader task alone.
+        let mut stream = client
+            .server_streaming::<BytesCodec>("/test.Test/Count", Request::new(count_request(3, 10)))
+            .await
+            .unwrap()
+            .into_inner();
+        for i in 0..3 {
+            let message = tokio::time::timeout(Duration::from_secs(5), stream.message())
+                .await
+                .expect("no one read the connection after the caller gave up");
+            assert_eq!(message.unwrap(), Some(count_message(i, 10)), "message {i}");
+        }
+    }
+    // One more gives up waiting; then the server dies: the connection's end
+    // is read, and the next call fails at once.
+    let call = client.unary::<BytesCodec>(
+        "/test.Test/Sleep",
+        Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
+    );
+    assert!(tokio::time::timeout(Duration::from_millis(200), call)
+        .await
+        .is_err());
+    server.kill().await;
+    let status = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new())),
+    )
+    .await
+    .expect("the dead server was not noticed")
+    .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
+}
+
 pub async fn unknown_service_and_method_are_unimplemented(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
@@ -945,6 +998,7 @@ macro_rules! for_each_case {
             deadline_fails_the_call_and_cancels_the_handler,
             zero_timeout_fails_at_once_without_sending,
             dropping_the_call_cancels_the_handler,
+            a_caller_that_read_for_itself_and_gave_up_hands_reading_back,
             unknown_service_and_method_are_unimplemented,
             panicking_handler_fails_only_its_call,
             oversized_messages_fail_with_resource_exhausted_and_the_connection_survives,

@@ -1,7 +1,8 @@
 //! One connection's client state ([`ClientConn`]): the table of open calls and the reader that fills it.
 
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::task::{ready, Context, Poll, Waker};
 
 use bytes::Bytes;
 use slab::Slab;
@@ -19,12 +20,55 @@ use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
 use super::endpoint::ChannelConfig;
 
 /// One connection's client state: the table of open calls and its reader.
+///
+/// The connection's frames are read by its reader task, or by a caller
+/// waiting for its single response while no one else reads
+/// ([`ClientConn::poll_single`]): the response then goes to its caller
+/// with no hand-over from one task to another (on a current-thread
+/// runtime, waking the `block_on` caller from a task cost a further
+/// scheduler pass: ~1,000 instructions a call). Whoever polls the source
+/// last with nothing to read is the one its transport wakes; a caller
+/// that stops waiting hands that back to the reader task
+/// ([`ClientConn::armed_by`]).
 pub(crate) struct ClientConn {
     pub(super) sink: Arc<dyn FrameSink>,
     pub(super) peer: String,
     pub(super) max_message_size: usize,
     pub(super) calls: Mutex<CallTable>,
+    source: Mutex<SourceSlot>,
+    /// Frames read so far, by anyone: what the keepalive timer watches.
+    received: AtomicU64,
+    /// The call whose caller polled the source last and found nothing: the
+    /// transport wakes that caller, not the reader task, for the next
+    /// frame. 0 (no call's id): the reader task, or no one yet. Written
+    /// with the source locked; read without, to skip the lock when not
+    /// armed (a caller sees its own id unless someone wrote another since).
+    armed_by: AtomicU64,
 }
+
+/// The connection's source, and who waits on it.
+struct SourceSlot {
+    source: Box<dyn FrameSource>,
+    /// The reader task's waker, from its latest poll.
+    reader: Option<Waker>,
+    /// Why the connection ended, read by a caller: the reader task ends it.
+    ended: Option<Status>,
+    /// The reader task ended: no one reads any more.
+    closed: bool,
+}
+
+/// What [`ClientConn::take_single`] found.
+enum Single {
+    Outcome(SingleResponse),
+    /// The caller waits: its waker is in the call's slot.
+    Waiting,
+    /// The caller is to read for itself first.
+    ReadFirst,
+}
+
+/// Frames one poll of the reader task handles at most before it lets the
+/// runtime's other tasks (and its keepalive timer) run.
+const FRAMES_PER_POLL: usize = 64;
 
 pub(super) struct CallTable {
     pub(super) slots: Slab<CallSlot>,
@@ -156,8 +200,16 @@ impl ClientConn {
                 generation: 0,
                 phase: Phase::Open,
             }),
+            source: Mutex::new(SourceSlot {
+                source: connection.source,
+                reader: None,
+                ended: None,
+                closed: false,
+            }),
+            received: AtomicU64::new(0),
+            armed_by: AtomicU64::new(0),
         });
-        let reader = Arc::clone(&conn).read_loop(connection.source, config.keepalive);
+        let reader = Arc::clone(&conn).read_loop(config.keepalive);
         tokio::spawn(async move {
             let _open = open;
             reader.await;
@@ -167,6 +219,127 @@ impl ClientConn {
 
     pub(super) fn table(&self) -> std::sync::MutexGuard<'_, CallTable> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn source(&self) -> MutexGuard<'_, SourceSlot> {
+        self.source.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The source, unless someone else is reading it (or it is closed).
+    fn try_source(&self) -> Option<MutexGuard<'_, SourceSlot>> {
+        let slot = match self.source.try_lock() {
+            Ok(slot) => slot,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        (!slot.closed && slot.ended.is_none()).then_some(slot)
+    }
+
+    /// Reads and handles what arrived, at most `limit` frames, polling
+    /// with `cx` (the waker the transport wakes for the next frame), until
+    /// `enough` says so or nothing is left. Records who is armed, and why
+    /// the connection ended if it did.
+    fn read_frames(
+        &self,
+        slot: &mut SourceSlot,
+        cx: &mut Context<'_>,
+        armed_by: Option<u64>,
+        limit: usize,
+        mut enough: impl FnMut() -> bool,
+    ) -> Poll<()> {
+        for _ in 0..limit {
+            let result = match slot.source.poll_recv(cx) {
+                Poll::Pending => {
+                    self.armed_by
+                        .store(armed_by.unwrap_or(0), Ordering::Relaxed);
+                    return Poll::Pending;
+                }
+                Poll::Ready(result) => result,
+            };
+            self.received.fetch_add(1, Ordering::Relaxed);
+            if let Some(reason) = self.handle(result) {
+                slot.ended = Some(reason);
+                if armed_by.is_some() {
+                    // A caller read the end: the reader task finishes the connection.
+                    if let Some(reader) = &slot.reader {
+                        reader.wake_by_ref();
+                    }
+                }
+                return Poll::Ready(());
+            }
+            if enough() {
+                return Poll::Ready(());
+            }
+        }
+        Poll::Ready(())
+    }
+
+    /// The reader task's read: frames handled (`Ready(None)`, to go on),
+    /// nothing yet (`Pending`), or why the connection ended.
+    fn poll_reader(&self, cx: &mut Context<'_>) -> Poll<Option<Status>> {
+        let mut slot = self.source();
+        if !slot
+            .reader
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            slot.reader = Some(cx.waker().clone());
+        }
+        if slot.ended.is_none() {
+            ready!(self.read_frames(&mut slot, cx, None, FRAMES_PER_POLL, || false));
+        }
+        let ended = slot.ended.take();
+        // No caller reads past the end (nor after the reader task is gone).
+        slot.closed = ended.is_some();
+        Poll::Ready(ended)
+    }
+
+    /// A caller waiting for call `id`'s single response reads for itself
+    /// if no one else is reading: one frame at a time until its own
+    /// outcome is in or nothing is left (then the transport wakes it).
+    fn read_for(&self, id: u64, cx: &mut Context<'_>) {
+        let Some(mut slot) = self.try_source() else {
+            return;
+        };
+        let _ = self.read_frames(&mut slot, cx, Some(id), usize::MAX, || self.has_outcome(id));
+    }
+
+    /// The caller of call `id` stops waiting: if the transport would wake
+    /// it for the next frame, the reader task is armed instead (by polling
+    /// with its waker, or by waking it).
+    fn disarm(&self, id: u64) {
+        if self.armed_by.load(Ordering::Relaxed) != id {
+            return;
+        }
+        let mut slot = self.source();
+        if self.armed_by.load(Ordering::Relaxed) != id || slot.closed {
+            return;
+        }
+        self.armed_by.store(0, Ordering::Relaxed);
+        if slot.ended.is_some() {
+            return; // the reader task was woken to end the connection
+        }
+        let Some(reader) = slot.reader.clone() else {
+            return; // the reader task has not run yet: it will poll when it does
+        };
+        let mut cx = Context::from_waker(&reader);
+        if self
+            .read_frames(&mut slot, &mut cx, None, FRAMES_PER_POLL, || false)
+            .is_ready()
+        {
+            // Frames came, and maybe more are waiting: the reader task goes on.
+            reader.wake();
+        }
+    }
+
+    /// Whether call `id` has its outcome (or is gone).
+    fn has_outcome(&self, id: u64) -> bool {
+        let (key, generation) = split_id(id);
+        self.table()
+            .slots
+            .get(key)
+            .filter(|s| s.generation == generation)
+            .is_none_or(|s| !s.inbox.is_open())
     }
 
     /// Calls open on this connection (what least-outstanding balancing compares).
@@ -240,28 +413,65 @@ impl ClientConn {
     }
 
     /// A single response's outcome, once it is in; the slot goes with it.
+    /// While it is not, the caller of the only call open reads the
+    /// connection itself if no one else does ([`read_for`](Self::read_for)).
     pub(super) fn poll_single(&self, id: u64, cx: &mut Context<'_>) -> Poll<SingleResponse> {
+        let outcome = match self.take_single(id, cx, true) {
+            Single::Outcome(outcome) => outcome,
+            Single::Waiting => {
+                // Other calls opened since this caller last read: the
+                // reader task takes the reading back.
+                self.disarm(id);
+                return Poll::Pending;
+            }
+            Single::ReadFirst => {
+                self.read_for(id, cx);
+                match self.take_single(id, cx, false) {
+                    Single::Outcome(outcome) => outcome,
+                    Single::Waiting | Single::ReadFirst => return Poll::Pending,
+                }
+            }
+        };
+        self.disarm(id);
+        Poll::Ready(outcome)
+    }
+
+    /// [`poll_single`](Self::poll_single)'s look at the table. With
+    /// `may_read`, the caller of the only call open is told to read first
+    /// rather than to wait: with more calls open, the reader task reads
+    /// many frames a read, and callers each reading cost more than they
+    /// save (+600 instructions a call with 64 in flight). It reads with
+    /// its waker taken out (a response it reads itself must not wake it:
+    /// on a current-thread runtime that wake-up alone costs a scheduler
+    /// pass); the look after the read puts it back, under the same lock
+    /// that finds the outcome missing.
+    fn take_single(&self, id: u64, cx: &mut Context<'_>, may_read: bool) -> Single {
         let (key, generation) = split_id(id);
         let mut table = self.table();
+        let alone = table.slots.len() == 1;
         let Some(slot) = table
             .slots
             .get_mut(key)
             .filter(|s| s.generation == generation)
         else {
-            return Poll::Ready(Err(Status::internal("call ended without a status")));
+            return Single::Outcome(Err(Status::internal("call ended without a status")));
         };
         match &mut slot.inbox {
+            Inbox::Single { waiter, .. } if may_read && alone => {
+                *waiter = None;
+                Single::ReadFirst
+            }
             Inbox::Single { waiter, .. } => {
                 if !waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                     *waiter = Some(cx.waker().clone());
                 }
-                Poll::Pending
+                Single::Waiting
             }
             Inbox::Done(_) => match table.slots.remove(key).inbox {
-                Inbox::Done(outcome) => Poll::Ready(outcome),
+                Inbox::Done(outcome) => Single::Outcome(outcome),
                 _ => unreachable!("matched Done above"),
             },
-            Inbox::Stream(_) => Poll::Ready(Err(Status::internal(
+            Inbox::Stream(_) => Single::Outcome(Err(Status::internal(
                 "a streaming call has no single response",
             ))),
         }
@@ -276,6 +486,7 @@ impl ClientConn {
 
     /// Forgets call `id` (its caller went away) and tells the server, if it was still open.
     pub(super) fn cancel(&self, id: u64) {
+        self.disarm(id);
         let (key, generation) = split_id(id);
         let slot = {
             let mut table = self.table();
@@ -339,24 +550,18 @@ impl ClientConn {
         }
     }
 
-    pub(super) async fn read_loop(
-        self: Arc<Self>,
-        mut source: Box<dyn FrameSource>,
-        keepalive: Option<Keepalive>,
-    ) {
+    pub(super) async fn read_loop(self: Arc<Self>, keepalive: Option<Keepalive>) {
         let mut timer = KeepaliveTimer::new(keepalive);
-        let mut received = 0u64;
         let reason = loop {
             tokio::select! {
                 // In this order: frames first, no random draw per wait.
                 biased;
-                result = source.recv() => {
-                    received += 1;
-                    if let Some(reason) = self.handle(result) {
+                ended = std::future::poll_fn(|cx| self.poll_reader(cx)) => {
+                    if let Some(reason) = ended {
                         break reason;
                     }
                 }
-                tick = timer.tick(received), if timer.enabled() => match tick {
+                tick = timer.tick(&self.received), if timer.enabled() => match tick {
                     Tick::Ping => {
                         // Never waits: with no room (a dead peer grants
                         // none), the silence goes on and the next tick
@@ -372,6 +577,7 @@ impl ClientConn {
                 },
             }
         };
+        self.source().closed = true;
         if reason.code() == crate::Code::Internal {
             tracing::warn!(peer = %self.peer, "closing connection: {}", reason.message());
         } else {

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -843,7 +843,7 @@ pub(super) async fn serve_connection(
     let shutdown_gate = WakeGate::new();
     tracing::debug!(peer = %conn.peer, "connection accepted");
     let mut timer = KeepaliveTimer::new(conn.routes.keepalive);
-    let mut received = 0u64;
+    let received = AtomicU64::new(0);
     let mut backlog = RefusalBacklog::default();
     // The client shut down its write side (`Ok(None)`): it sends nothing
     // more, but the calls it opened still run and their replies go out.
@@ -856,7 +856,7 @@ pub(super) async fn serve_connection(
             // In this order: frames first, no random draw per wait.
             biased;
             result = source.recv(), if backlog.is_empty() && !half_closed => {
-                received += 1;
+                received.fetch_add(1, Ordering::Relaxed);
                 match conn.handle(result, draining, &mut backlog) {
                     Ok(Reading::On) => {}
                     Ok(Reading::HalfClosed) => {
@@ -870,7 +870,7 @@ pub(super) async fn serve_connection(
             }
             () = backlog.flush(&*conn.sink), if !backlog.is_empty() => {}
             // A half-closed client can send no pongs: its calls run under their own deadlines.
-            tick = timer.tick(received), if timer.enabled() && !half_closed => match tick {
+            tick = timer.tick(&received), if timer.enabled() && !half_closed => match tick {
                 Tick::Ping => {
                     // Never waits: with no room (a dead peer grants none),
                     // the silence goes on and the next tick declares it dead.
