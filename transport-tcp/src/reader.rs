@@ -365,7 +365,6 @@ impl FrameStream {
         if self.buf.len() < PREFIX_LEN + len {
             return Ok(None);
         }
-        self.buf.advance(PREFIX_LEN);
         self.after_large = len > READ_CHUNK;
         if len <= COPY_UP_TO {
             // Copied: the read buffer stays unshared, so the next read reuses it.
@@ -373,10 +372,12 @@ impl FrameStream {
                 // Reuses the buffer if no frame in it is alive, else a new one.
                 self.small.reserve(SMALL_FRAMES);
             }
-            self.small.extend_from_slice(&self.buf[..len]);
-            self.buf.advance(len);
+            self.small
+                .extend_from_slice(&self.buf[PREFIX_LEN..PREFIX_LEN + len]);
+            self.buf.advance(PREFIX_LEN + len);
             return Ok(Some(self.small.split().freeze()));
         }
+        self.buf.advance(PREFIX_LEN);
         Ok(Some(self.buf.split_to(len).freeze()))
     }
 
