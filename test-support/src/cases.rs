@@ -15,7 +15,7 @@ use futures::StreamExt;
 use rpc_core::fanout::{FanOut, Finished, ShardResult};
 use rpc_core::{Balance, BytesCodec, Channel, Client, Code, Endpoint, Request};
 
-use crate::{count_message, count_request, TestServer};
+use crate::{count_message, count_request, sleep_request, TestServer};
 
 /// What a transport's suite adapts: load and message sizes.
 pub struct Profile {
@@ -176,7 +176,7 @@ pub async fn thousands_of_concurrent_calls_on_one_channel_none_mixed_up(
 pub async fn deadline_fails_the_call_and_cancels_the_handler(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let mut request = Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec()));
+    let mut request = Request::new(sleep_request(10_000));
     request.set_timeout(Duration::from_millis(200));
     let started = Instant::now();
     let status = client
@@ -213,7 +213,7 @@ pub async fn deadline_fails_the_call_and_cancels_the_handler(listen: String, _pr
 pub async fn zero_timeout_fails_at_once_without_sending(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let mut request = Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec()));
+    let mut request = Request::new(sleep_request(10_000));
     request.set_timeout(Duration::ZERO);
     let status = client
         .unary::<BytesCodec>("/test.Test/Sleep", request)
@@ -234,10 +234,7 @@ pub async fn zero_timeout_fails_at_once_without_sending(listen: String, _profile
             .unwrap(),
     );
     let status = zero
-        .unary::<BytesCodec>(
-            "/test.Test/Sleep",
-            Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
-        )
+        .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(10_000)))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
@@ -264,10 +261,7 @@ pub async fn zero_timeout_fails_at_once_without_sending(listen: String, _profile
 pub async fn dropping_the_call_cancels_the_handler(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let call = client.unary::<BytesCodec>(
-        "/test.Test/Sleep",
-        Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
-    );
+    let call = client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(10_000)));
     let probes = &server.probes;
     tokio::select! {
         _ = call => panic!("a 10 s call finished"),
@@ -297,10 +291,8 @@ pub async fn a_caller_that_read_for_itself_and_gave_up_hands_reading_back(
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
     for round in 0..3 {
-        let call = client.unary::<BytesCodec>(
-            "/test.Test/Sleep",
-            Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
-        );
+        let call =
+            client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(10_000)));
         let probes = &server.probes;
         tokio::select! {
             _ = call => panic!("a 10 s call finished"),
@@ -321,10 +313,7 @@ pub async fn a_caller_that_read_for_itself_and_gave_up_hands_reading_back(
     }
     // One more gives up waiting; then the server dies: the connection's end
     // is read, and the next call fails at once.
-    let call = client.unary::<BytesCodec>(
-        "/test.Test/Sleep",
-        Request::new(Bytes::from(10_000u32.to_le_bytes().to_vec())),
-    );
+    let call = client.unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(10_000)));
     assert!(tokio::time::timeout(Duration::from_millis(200), call)
         .await
         .is_err());
@@ -601,10 +590,7 @@ pub async fn killed_server_fails_pending_calls_and_the_channel_reconnects(
             let client = client.clone();
             tokio::spawn(async move {
                 client
-                    .unary::<BytesCodec>(
-                        "/test.Test/Sleep",
-                        Request::new(Bytes::from(30_000u32.to_le_bytes().to_vec())),
-                    )
+                    .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(30_000)))
                     .await
             })
         })
@@ -664,10 +650,7 @@ pub async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String, _prof
         let client = client.clone();
         tokio::spawn(async move {
             client
-                .unary::<BytesCodec>(
-                    "/test.Test/Sleep",
-                    Request::new(Bytes::from(300u32.to_le_bytes().to_vec())),
-                )
+                .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(300)))
                 .await
         })
     };
@@ -720,7 +703,7 @@ pub async fn keepalive_pings_do_not_disturb_a_slow_call(listen: String, _profile
         .unwrap();
     let client = Client::new(channel);
     // Ten keepalive intervals with no call traffic: pings and pongs keep both sides up.
-    let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+    let request = Request::new(sleep_request(300));
     let reply = client
         .unary::<BytesCodec>("/test.Test/Sleep", request)
         .await
@@ -795,7 +778,7 @@ pub async fn calls_over_the_concurrency_limit_are_refused(listen: String, _profi
         .map(|_| {
             let client = client.clone();
             tokio::spawn(async move {
-                let request = Request::new(Bytes::from(300u32.to_le_bytes().to_vec()));
+                let request = Request::new(sleep_request(300));
                 client
                     .unary::<BytesCodec>("/test.Test/Sleep", request)
                     .await
@@ -837,10 +820,6 @@ fn nth_listen(listen: &str, i: usize) -> String {
     } else {
         listen.to_string()
     }
-}
-
-fn sleep_request(millis: u32) -> Bytes {
-    Bytes::from(millis.to_le_bytes().to_vec())
 }
 
 pub async fn fan_out_under_a_deadline_returns_partial_results_and_cancels_stragglers(

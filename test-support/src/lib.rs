@@ -88,6 +88,11 @@ impl Drop for CancelProbe {
     }
 }
 
+/// A `Sleep` request: the handler sleeps `millis` then answers.
+pub fn sleep_request(millis: u32) -> Bytes {
+    Bytes::copy_from_slice(&millis.to_le_bytes())
+}
+
 /// Request for `Count`: how many messages, and how large each.
 pub fn count_request(messages: u32, size: u32) -> Bytes {
     let mut v = messages.to_le_bytes().to_vec();
