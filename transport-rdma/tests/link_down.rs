@@ -398,7 +398,7 @@ async fn start_calls(idle: &Client, busy: &Client) -> InFlight {
                 client
                     .unary::<BytesCodec>(
                         "/test.Test/Sleep",
-                        Request::new(Bytes::from(600_000u32.to_le_bytes().to_vec())),
+                        Request::new(support::sleep_request(600_000)),
                     )
                     .await
             })

@@ -46,7 +46,7 @@ fn spawn_child(test: &str, var: &str, value: &str) -> ChildGuard {
 }
 
 fn sleep_request(ms: u32) -> Request<Bytes> {
-    Request::new(Bytes::from(ms.to_le_bytes().to_vec()))
+    Request::new(rpc_test_support::sleep_request(ms))
 }
 
 /// Child: a server on `RPC_CHILD_SERVE` until killed.

@@ -237,21 +237,21 @@ impl ClientConn {
 
     /// Reads and handles what arrived, at most `limit` frames, polling
     /// with `cx` (the waker the transport wakes for the next frame), until
-    /// `enough` says so or nothing is left. Records who is armed, and why
-    /// the connection ended if it did.
+    /// `enough` says so or nothing is left. `caller` is the call whose
+    /// caller polls (`None`: the reader task), armed if nothing is left.
+    /// Records why the connection ended if it did.
     fn read_frames(
         &self,
         slot: &mut SourceSlot,
         cx: &mut Context<'_>,
-        armed_by: Option<u64>,
+        caller: Option<u64>,
         limit: usize,
         mut enough: impl FnMut() -> bool,
     ) -> Poll<()> {
         for _ in 0..limit {
             let result = match slot.source.poll_recv(cx) {
                 Poll::Pending => {
-                    self.armed_by
-                        .store(armed_by.unwrap_or(0), Ordering::Relaxed);
+                    self.armed_by.store(caller.unwrap_or(0), Ordering::Relaxed);
                     return Poll::Pending;
                 }
                 Poll::Ready(result) => result,
@@ -259,7 +259,7 @@ impl ClientConn {
             self.received.fetch_add(1, Ordering::Relaxed);
             if let Some(reason) = self.handle(result) {
                 slot.ended = Some(reason);
-                if armed_by.is_some() {
+                if caller.is_some() {
                     // A caller read the end: the reader task finishes the connection.
                     if let Some(reader) = &slot.reader {
                         reader.wake_by_ref();
@@ -289,8 +289,10 @@ impl ClientConn {
             ready!(self.read_frames(&mut slot, cx, None, FRAMES_PER_POLL, || false));
         }
         let ended = slot.ended.take();
-        // No caller reads past the end (nor after the reader task is gone).
-        slot.closed = ended.is_some();
+        if ended.is_some() {
+            // No caller reads past the end (nor after the reader task is gone).
+            slot.closed = true;
+        }
         Poll::Ready(ended)
     }
 

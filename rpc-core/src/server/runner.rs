@@ -4,7 +4,8 @@
 //! allocates each task aligned to 128 bytes (a slow path of glibc's
 //! allocator), registers, schedules, retires and frees it. A connection
 //! keeps its handler tasks once their call ended, up to [`MAX_IDLE`], each
-//! waiting for another call: handing one a call is a lock and a wake-up. Every call still runs in a task of its own, polled by the
+//! waiting for another call: handing one a call is a lock and a wake-up.
+//! Every call still runs in a task of its own, polled by the
 //! runtime on any worker, as with a fresh task. An aborted call (cancelled,
 //! over a size limit, its connection gone) has its future dropped on its
 //! task, as [`AbortHandle::abort`] did, and the task waits for the next call.
