@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
-use std::task::{ready, Context, Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use slab::Slab;
@@ -66,8 +66,19 @@ enum Single {
     ReadFirst,
 }
 
-/// Frames one poll of the reader task handles at most before it lets the
-/// runtime's other tasks (and its keepalive timer) run.
+/// How [`ClientConn::read_frames`] ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    /// Nothing left: the poller is the one the transport wakes.
+    Armed,
+    /// Enough was read, or the connection ended.
+    Stopped,
+    /// The limit was reached: more may be waiting.
+    AtLimit,
+}
+
+/// Frames one poll reads at most (the reader task's, or a caller's)
+/// before it lets the runtime's other tasks (and the keepalive timer) run.
 const FRAMES_PER_POLL: usize = 64;
 
 pub(super) struct CallTable {
@@ -247,12 +258,12 @@ impl ClientConn {
         caller: Option<u64>,
         limit: usize,
         mut enough: impl FnMut() -> bool,
-    ) -> Poll<()> {
+    ) -> Read {
         for _ in 0..limit {
             let result = match slot.source.poll_recv(cx) {
                 Poll::Pending => {
                     self.armed_by.store(caller.unwrap_or(0), Ordering::Relaxed);
-                    return Poll::Pending;
+                    return Read::Armed;
                 }
                 Poll::Ready(result) => result,
             };
@@ -265,13 +276,13 @@ impl ClientConn {
                         reader.wake_by_ref();
                     }
                 }
-                return Poll::Ready(());
+                return Read::Stopped;
             }
             if enough() {
-                return Poll::Ready(());
+                return Read::Stopped;
             }
         }
-        Poll::Ready(())
+        Read::AtLimit
     }
 
     /// The reader task's read: frames handled (`Ready(None)`, to go on),
@@ -285,8 +296,10 @@ impl ClientConn {
         {
             slot.reader = Some(cx.waker().clone());
         }
-        if slot.ended.is_none() {
-            ready!(self.read_frames(&mut slot, cx, None, FRAMES_PER_POLL, || false));
+        if slot.ended.is_none()
+            && self.read_frames(&mut slot, cx, None, FRAMES_PER_POLL, || false) == Read::Armed
+        {
+            return Poll::Pending;
         }
         let ended = slot.ended.take();
         if ended.is_some() {
@@ -298,12 +311,20 @@ impl ClientConn {
 
     /// A caller waiting for call `id`'s single response reads for itself
     /// if no one else is reading: one frame at a time until its own
-    /// outcome is in or nothing is left (then the transport wakes it).
+    /// outcome is in or nothing is left (then the transport wakes it). A
+    /// peer sending frame after frame cannot hold the caller's worker: after
+    /// [`FRAMES_PER_POLL`] the caller lets the runtime run others and is
+    /// polled again.
     fn read_for(&self, id: u64, cx: &mut Context<'_>) {
         let Some(mut slot) = self.try_source() else {
             return;
         };
-        let _ = self.read_frames(&mut slot, cx, Some(id), usize::MAX, || self.has_outcome(id));
+        let read = self.read_frames(&mut slot, cx, Some(id), FRAMES_PER_POLL, || {
+            self.has_outcome(id)
+        });
+        if read == Read::AtLimit {
+            cx.waker().wake_by_ref();
+        }
     }
 
     /// The caller of call `id` stops waiting: if the transport would wake
@@ -325,10 +346,7 @@ impl ClientConn {
             return; // the reader task has not run yet: it will poll when it does
         };
         let mut cx = Context::from_waker(&reader);
-        if self
-            .read_frames(&mut slot, &mut cx, None, FRAMES_PER_POLL, || false)
-            .is_ready()
-        {
+        if self.read_frames(&mut slot, &mut cx, None, FRAMES_PER_POLL, || false) != Read::Armed {
             // Frames came, and maybe more are waiting: the reader task goes on.
             reader.wake();
         }
