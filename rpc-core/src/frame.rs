@@ -309,8 +309,10 @@ impl Frame {
 }
 
 /// A call's method path, `/package.Service/Method`, as it arrived: UTF-8,
-/// a slice of its frame's bytes (no allocation of its own). It reads as a
-/// `str`:
+/// a slice of its frame's bytes when the frame is small (no allocation of
+/// its own), a copy when it is not (so that the path, kept for the call's
+/// life, does not keep a large first message alive with it). It reads as
+/// a `str`:
 ///
 /// ```
 /// use rpc_core::frame::MethodPath;
@@ -330,8 +332,15 @@ impl MethodPath {
     /// `field`, a part of `frame`, as a path if it is UTF-8.
     fn of(frame: &Bytes, field: &[u8]) -> Result<MethodPath, FrameError> {
         check_utf8(field, "method")?;
-        Ok(MethodPath(frame.slice_ref(field)))
+        Ok(MethodPath(if frame.len() <= MethodPath::SHARE_UP_TO {
+            frame.slice_ref(field)
+        } else {
+            Bytes::copy_from_slice(field)
+        }))
     }
+
+    /// Frames up to this length share their bytes with the path.
+    const SHARE_UP_TO: usize = 4096;
 
     /// The path.
     pub fn as_str(&self) -> &str {
@@ -909,6 +918,25 @@ mod tests {
         };
         assert_eq!(&*method, "/pkg.Svc/Do");
         assert!(range.contains(&method.as_ptr()), "copied out of its frame");
+        // A large frame (a large first message) is not kept alive by its path.
+        let mut large = request(b"/pkg.Svc/Do").to_vec();
+        large[2] = HAS_PAYLOAD;
+        large[16..20].copy_from_slice(&8192u32.to_le_bytes());
+        large.resize(large.len() + 8192, 7);
+        let large = Bytes::from(large);
+        let range = large.as_ptr_range();
+        let Ok(Frame {
+            body: FrameBody::Request { method, .. },
+            ..
+        }) = Frame::decode(large)
+        else {
+            panic!("a well-formed request with a payload");
+        };
+        assert_eq!(&*method, "/pkg.Svc/Do");
+        assert!(
+            !range.contains(&method.as_ptr()),
+            "a slice of a large frame"
+        );
         assert_eq!(
             Frame::decode(request(b"/pkg.Svc/\xff")),
             Err(FrameError::Invalid("method"))
