@@ -116,19 +116,21 @@
 //!
 //! # Memory per connection
 //! `ring_slots × slot_size` for receiving plus as much for sending (sized
-//! by the peer's ring), `region_len` for the region plus the peer's region
-//! size for staging. Defaults: 64 × 8 KiB and 1 MiB, so about 3 MiB per
-//! connection (a few hundred connections fit a 2 GiB machine). Only the
-//! region is remotely writable. Rendezvous memory comes on top, while
-//! transfers run, and only on connections whose sides both set
-//! [`RdmaTransport::rendezvous_threshold`]: on the receiving side at most
-//! [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least the
-//! frame limit; a listener counts it in
+//! by the peer's ring), `region_len` for the region, and the peer's region
+//! size for staging once the connection first sends a frame too large for
+//! a slot. Defaults: 64 × 8 KiB and 1 MiB, so about 2 MiB per connection
+//! that carries small frames only, 3 MiB once it sent a large one (a few
+//! hundred connections fit a 2 GiB machine; a listener's budget counts
+//! 3 MiB each). Only the region is remotely writable. Rendezvous memory
+//! comes on top, while transfers run, and only on connections whose sides
+//! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
+//! at most [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least
+//! the frame limit; a listener counts it in
 //! [`RdmaTransport::max_pinned_bytes`]; destinations kept for reuse count
 //! in it too), on the sending side the frames of up to 8 transfers in
 //! flight, their large `Bytes` pinned where they lie (not counted: the
-//! application chose to send them). Peers announcing more than [`RdmaTransport::max_peer`] allows
-//! are refused.
+//! application chose to send them). Peers announcing more than
+//! [`RdmaTransport::max_peer`] allows are refused.
 //!
 //! A listener admits a client only within its limits, checked from the
 //! client's hello before anything is allocated for it: connections

@@ -14,7 +14,7 @@ use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{TestEnv, PINNED_PER_END};
+use common::{TestEnv, IDLE_PER_END, PINNED_PER_END};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_rdma::proto::Hello;
 use transport_rdma::verbs::{
@@ -460,7 +460,7 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
         let stalled_at = Instant::now();
         let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
         assert!(
-            waiting >= STALLED as u64 * PINNED_PER_END,
+            waiting >= STALLED as u64 * IDLE_PER_END,
             "the server holds {waiting} bytes for {STALLED} stalled set-ups"
         );
 
@@ -541,7 +541,7 @@ async fn dropping_the_listener_ends_its_set_ups_in_progress() {
     let stalled = stall_set_ups(addr, STALLED).await;
     let waiting = transport_rdma::verbs::registered_bytes().saturating_sub(registered_before);
     assert!(
-        waiting >= STALLED as u64 * PINNED_PER_END,
+        waiting >= STALLED as u64 * IDLE_PER_END,
         "the server holds {waiting} bytes for {STALLED} stalled set-ups"
     );
 

@@ -11,8 +11,8 @@ use rpc_test_support as support;
 
 use bytes::Bytes;
 use common::{
-    mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, TestEnv,
-    PINNED_PER_END,
+    idle_per_end, mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit,
+    TestEnv, PINNED_PER_END,
 };
 use futures::future::join_all;
 use futures::StreamExt;
@@ -97,6 +97,48 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         )
         .await
         .unwrap();
+    server.stop().await;
+}
+
+/// A connection that carried small frames only has registered no staging
+/// (a 1 MiB region by default): an idle end pins its rings and region; the
+/// first frame too large for a slot registers the staging region, once.
+/// Counted exactly, by the transport's count of registered bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn staging_is_registered_with_the_first_large_frame_only() {
+    let env = TestEnv::from_env();
+    transport_rdma::install();
+    // Earlier tests' connections may still be closing on the teardown
+    // thread.
+    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+    assert!(
+        quiet,
+        "{} bytes still registered by earlier tests after 60 s",
+        registered_bytes()
+    );
+    let server = TestServer::start(&env.local_listen(), |b| b).await;
+    let client = Client::new(Channel::connect(&server.address).await.unwrap());
+    let (idle, sent_large) = (2 * idle_per_end(64, 8192, 1 << 20), 2 * PINNED_PER_END);
+
+    echo(&client, 0, 100).await;
+    echo(&client, 1, 4000).await;
+    assert_eq!(
+        registered_bytes(),
+        idle,
+        "both ends of a connection that carried small frames only"
+    );
+    // Both ends send 200 KiB (the call, its echo) through the region.
+    echo(&client, 2, 200 << 10).await;
+    assert_eq!(
+        registered_bytes(),
+        sent_large,
+        "both ends once each sent a region frame: staging is {} bytes each",
+        PINNED_PER_END - idle / 2
+    );
+    echo(&client, 3, 300 << 10).await;
+    echo(&client, 4, 100).await;
+    assert_eq!(registered_bytes(), sent_large, "staging is registered once");
     server.stop().await;
 }
 

@@ -13,7 +13,7 @@ use rpc_test_support as support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{TestEnv, PINNED_PER_END};
+use common::{TestEnv, IDLE_PER_END};
 use rpc_core::transport::stats::{connection_stats, ConnectionStats, Side, TransportStat};
 use rpc_core::{BytesCodec, Channel, Client, Request};
 use support::TestServer;
@@ -55,12 +55,12 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
         .unwrap();
 
     // Both ends are in this process: twice one end's memory (whole pages,
-    // as the regions are).
+    // as the regions are; no staging, as no frame needed it).
     let open = pinned() - before;
     assert!(
-        (2 * PINNED_PER_END..=2 * PINNED_PER_END + (64 << 10)).contains(&open),
+        (2 * IDLE_PER_END..=2 * IDLE_PER_END + (64 << 10)).contains(&open),
         "{open} bytes pinned for one connection, expected about {}",
-        2 * PINNED_PER_END
+        2 * IDLE_PER_END
     );
     assert_eq!(connections(Side::Client).open(), 1);
     let server_side = support::eventually(Duration::from_secs(10), || {

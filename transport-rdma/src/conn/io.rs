@@ -170,9 +170,17 @@ impl RdmaSink {
                 Some(unsafe { mem.send.slice_mut(start..start + len) })
             }
             EncodeInto::Staging { offset } => {
+                let staging = match mem.staging() {
+                    Ok(staging) => staging,
+                    Err(e) => {
+                        st.proto.cancel_send(reservation);
+                        st.wake();
+                        return Poll::Ready(Err(super::io_error("register the staging region", e)));
+                    }
+                };
                 // SAFETY: just allocated in the staging region: no posted
                 // WRITE reads it (the peer freed it) and no other slice.
-                Some(unsafe { mem.staging.slice_mut(offset..offset + len) })
+                Some(unsafe { staging.slice_mut(offset..offset + len) })
             }
             EncodeInto::Heap | EncodeInto::Rendezvous { .. } => None,
         };
@@ -234,6 +242,10 @@ impl RdmaSink {
                 shared,
                 reservation,
             };
+            if let Err(e) = mem.staging() {
+                drop(encoding);
+                return Poll::Ready(Err(super::io_error("register the staging region", e)));
+            }
             let data = match frame {
                 Some(frame) => super::transfer::pieces(frame),
                 None => {

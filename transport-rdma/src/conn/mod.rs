@@ -23,7 +23,9 @@
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
 //!   of heap-encoded frames); small frames are encoded into them;
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
-//!   at the same offsets; region frames are encoded into it.
+//!   at the same offsets; region frames are encoded into it. Registered
+//!   with the first frame that needs it: a connection that only carries
+//!   small frames pins none.
 
 mod cm_events;
 mod driver;

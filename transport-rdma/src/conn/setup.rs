@@ -58,7 +58,6 @@ struct Wired {
 pub(crate) struct Established {
     wired: Wired,
     send: MemoryRegion,
-    staging: MemoryRegion,
     pd: ProtectionDomain,
     cq: CompletionQueue,
     cc: CompletionChannel,
@@ -145,9 +144,10 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
 
 /// Bytes a connection may pin with our settings and the peer's geometry:
 /// our ring and region, send slots for the peer's ring (plus control and
-/// chunk slots), staging as large as the peer's region, and our rendezvous
-/// pool when we read rendezvous transfers (registered as transfers arrive,
-/// so a peer can fill it).
+/// chunk slots), staging as large as the peer's region (registered with
+/// the first frame that needs it, which the peer's requests can cause),
+/// and our rendezvous pool when we read rendezvous transfers (registered
+/// as transfers arrive, so a peer can fill it).
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
     let send = u64::from(peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
@@ -172,11 +172,9 @@ fn finish(
         (peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) as usize * peer.slot_size as usize,
         Access::LOCAL_WRITE,
     )?;
-    let staging = MemoryRegion::new(&half.pd, peer.region_len as usize, Access::LOCAL_WRITE)?;
     Ok(Established {
         wired: half.wired,
         send,
-        staging,
         pd: half.pd,
         cq: half.cq,
         cc: half.cc,
@@ -398,7 +396,6 @@ impl Established {
         let Established {
             wired: Wired { qp, recv, region },
             send,
-            staging,
             pd,
             cq,
             cc,
@@ -439,21 +436,20 @@ impl Established {
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),
-            mem: DropLater::new(Buffers {
+            mem: DropLater::new(Buffers::new(
                 recv,
                 region,
                 send,
-                staging,
                 pd,
-                slot_size: own.slot_size as usize,
-                ring_slots: own.ring_slots,
-                peer_slot_size: peer.slot_size as usize,
-                peer_region: RemoteRegion {
+                own.slot_size as usize,
+                own.ring_slots,
+                peer.slot_size as usize,
+                RemoteRegion {
                     addr: peer.region_addr,
                     rkey: peer.region_rkey,
                     len: peer.region_len.into(),
                 },
-            }),
+            )),
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
 
 use rpc_core::transport::TransportError;
@@ -26,9 +26,14 @@ pub(super) struct Buffers {
     pub(super) recv: MemoryRegion,
     pub(super) region: MemoryRegion,
     pub(super) send: MemoryRegion,
-    pub(super) staging: MemoryRegion,
-    /// Rendezvous memory (transfers' segments, destinations) is
-    /// registered on it.
+    /// The source of our RDMA WRITEs into the peer's region, as large as
+    /// it: registered when the first frame needs it ([`staging`]), so a
+    /// connection that never sends a region-sized frame pins none.
+    ///
+    /// [`staging`]: Self::staging
+    staging: OnceLock<MemoryRegion>,
+    /// Rendezvous memory (transfers' segments, destinations) and staging
+    /// are registered on it.
     pub(super) pd: ProtectionDomain,
     pub(super) slot_size: usize,
     pub(super) ring_slots: u32,
@@ -37,7 +42,7 @@ pub(super) struct Buffers {
 }
 
 // SAFETY: `recv`, `send` and `staging` are only accessed through their
-// `unsafe` `slice`/`slice_mut`, and each byte range is owned by exactly one
+// `unsafe` `slice`/`slice_mut` (`staging` once `OnceLock` has published it), and each byte range is owned by exactly one
 // party at a time, as the protocol state (under the connection's mutex)
 // records: the device while posted, the state while being encoded or
 // handled, or one `SlotGuard` while the application holds a received frame.
@@ -49,6 +54,47 @@ pub(super) struct Buffers {
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
+    /// The connection's memory. `staging_len`: the peer's region's length
+    /// (staging mirrors its offsets).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        recv: MemoryRegion,
+        region: MemoryRegion,
+        send: MemoryRegion,
+        pd: ProtectionDomain,
+        slot_size: usize,
+        ring_slots: u32,
+        peer_slot_size: usize,
+        peer_region: RemoteRegion,
+    ) -> Buffers {
+        Buffers {
+            recv,
+            region,
+            send,
+            staging: OnceLock::new(),
+            pd,
+            slot_size,
+            ring_slots,
+            peer_slot_size,
+            peer_region,
+        }
+    }
+
+    /// The staging region, registered on first use (a millisecond or so
+    /// for the default 1 MiB, once per connection). Fails only if the
+    /// device or the locked-memory limit refuses the registration; the
+    /// frame that needed it fails then, and the next one tries again.
+    pub(super) fn staging(&self) -> Result<&MemoryRegion, crate::verbs::Error> {
+        if let Some(staging) = self.staging.get() {
+            return Ok(staging);
+        }
+        let len = usize::try_from(self.peer_region.len).expect("a region length fits usize");
+        let staging = MemoryRegion::new(&self.pd, len, Access::LOCAL_WRITE)?;
+        // Two first users at once: one registration wins, the other is
+        // dropped unused.
+        Ok(self.staging.get_or_init(|| staging))
+    }
+
     pub(super) fn recv_slot(&self, slot: u32) -> Range<usize> {
         let start = slot as usize * self.slot_size;
         start..start + self.slot_size
@@ -442,13 +488,15 @@ impl State {
             Transmit::Write {
                 offset, len, data, ..
             } => {
+                // The sink registered staging before it queued the frame.
+                let staging = mem.staging()?;
                 if let Some(data) = data {
                     // The chunk's staging bytes were just allocated to it:
                     // no posted WRITE reads them (the peer freed them, so
                     // earlier WRITEs landed) and no slice covers them.
                     let mut at = offset;
                     for piece in data.pieces() {
-                        mem.staging.write_at(at, piece);
+                        staging.write_at(at, piece);
                         at += piece.len();
                     }
                 }
@@ -459,7 +507,7 @@ impl State {
                 unsafe {
                     self.qp.queue_write(
                         WorkKind::Write.wr_id(0),
-                        &mem.staging,
+                        staging,
                         offset..offset + len,
                         mem.peer_region,
                         offset as u64,

@@ -106,9 +106,13 @@ impl TestEnv {
 
 /// Registered bytes of one connection end with the default settings on
 /// both sides: receive ring 64 x 8 KiB, send slots for the peer's ring
-/// plus 8 control and chunk slots, the 1 MiB region and a 1 MiB staging
-/// region.
-pub const PINNED_PER_END: u64 = 64 * 8192 + (64 + 8) * 8192 + 2 * (1 << 20);
+/// plus 8 control and chunk slots, the 1 MiB region and, once the end sent
+/// a frame too large for a slot, a 1 MiB staging region.
+pub const PINNED_PER_END: u64 = pinned_per_end(64, 8192, 1 << 20);
+
+/// [`PINNED_PER_END`] before the end sent a frame too large for a slot:
+/// no staging region yet.
+pub const IDLE_PER_END: u64 = idle_per_end(64, 8192, 1 << 20);
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
 pub fn pinned_bytes() -> u64 {
@@ -126,14 +130,24 @@ pub fn pinned_bytes() -> u64 {
 }
 
 /// Bytes one connection end registers when both sides use a ring of
-/// `ring_slots` x `slot_size` and a region of `region_len`: the receive
-/// ring, send slots for the peer's ring plus 8 control and chunk slots,
-/// the region and a staging region as large as the peer's, each rounded
+/// `ring_slots` x `slot_size` and a region of `region_len`, once it sent a
+/// frame too large for a slot: what [`idle_per_end`] counts, and a staging
+/// region as large as the peer's region.
+pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
+    idle_per_end(ring_slots, slot_size, region_len) + pages(region_len)
+}
+
+/// Bytes one connection end registers (as [`pinned_per_end`]) while it
+/// has sent small frames only: the receive ring, send slots for the
+/// peer's ring plus 8 control and chunk slots, and the region, each rounded
 /// up to whole pages (what registration pins; see
 /// `transport_rdma::verbs::registered_bytes`).
-pub fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    let pages = |bytes: u64| bytes.div_ceil(4096) * 4096;
-    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
+pub const fn idle_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
+    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + pages(region_len)
+}
+
+const fn pages(bytes: u64) -> u64 {
+    bytes.div_ceil(4096) * 4096
 }
 
 /// File descriptors open in this process now.
