@@ -44,9 +44,13 @@ pub fn check(data: &[u8]) {
             assert_eq!(body, 0);
             assert_eq!(header.len, 0);
         }
-        Kind::Credit | Kind::Close => {
+        Kind::RegionGranted => {
             assert_eq!(body, 0);
-            assert_eq!(header.len, 0);
+            assert_eq!((header.len, header.flags), (0, 0));
+        }
+        Kind::Credit | Kind::Close | Kind::RegionWanted => {
+            assert_eq!(body, 0);
+            assert_eq!((header.len, header.total, header.pos), (0, 0, 0));
         }
     }
     assert_eq!(

@@ -103,8 +103,6 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             Hello {
                 ring_slots: 64,
                 slot_size: 8192,
-                region_addr: 0x7f12_3456_0000,
-                region_rkey: 0x1234,
                 region_len: 1 << 20,
                 reads_rendezvous: false,
             },
@@ -114,8 +112,6 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             Hello {
                 ring_slots: 8,
                 slot_size: 96,
-                region_addr: 0x1000,
-                region_rkey: 1,
                 region_len: 4096,
                 reads_rendezvous: false,
             },
@@ -125,8 +121,6 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             Hello {
                 ring_slots: 256,
                 slot_size: 64 * 1024,
-                region_addr: u64::MAX - (16 << 20),
-                region_rkey: u32::MAX,
                 region_len: 16 << 20,
                 reads_rendezvous: false,
             },

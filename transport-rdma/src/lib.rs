@@ -41,7 +41,7 @@
 //! - **Set-up** with librdmacm: `rdma_resolve_addr/route`, `rdma_connect`,
 //!   `rdma_listen`/`rdma_accept`. The peers exchange a 32-byte hello in the
 //!   connection manager's private data (magic, protocol version, ring slots
-//!   and slot size, region address, rkey and length), each side validating
+//!   and slot size, region length), each side validating
 //!   the other's against its limits ([`proto::Hello`]). Set-ups are
 //!   async: the connection manager's events are awaited on the tokio
 //!   runtime (each set-up's event channel registered with it), so no
@@ -54,7 +54,7 @@
 //!   the last credit is kept for those, so the peers never deadlock, never
 //!   cause an RNR, never overrun a ring.
 //! - **Large frames** are encoded into a registered staging region and
-//!   RDMA-written into the peer's region (announced at connect), at offsets
+//!   RDMA-written into the peer's region, at offsets
 //!   from a ring allocator both sides run in lock-step
 //!   ([`proto::RegionWriter`], [`proto::RegionReader`]); a `Chunk` SEND
 //!   follows each WRITE, which goes unsignaled (the SEND's completion
@@ -66,6 +66,12 @@
 //!   other calls pass such a frame between its chunks, so they wait behind
 //!   at most 256 KiB of it in the send queue, not behind the whole tensor.
 //!   The receiver reports how far it has freed its region in every header.
+//!   Neither exists until needed: the first frame too large for a slot
+//!   asks for the peer's region (`RegionWanted`), which the peer registers
+//!   then and grants with its address and rkey (`RegionGranted`); that
+//!   frame waits one round trip and a registration, once per connection
+//!   and direction, and staging is registered with it. A connection whose
+//!   frames all fit a slot has no remotely writable memory at all.
 //! - **Larger frames by rendezvous** (from
 //!   [`RdmaTransport::rendezvous_threshold`], off by default for now): the
 //!   sender registers the frame for that transfer only, readable by the
@@ -116,12 +122,12 @@
 //!
 //! # Memory per connection
 //! `ring_slots × slot_size` for receiving plus as much for sending (sized
-//! by the peer's ring), `region_len` for the region, and the peer's region
-//! size for staging once the connection first sends a frame too large for
-//! a slot. Defaults: 64 × 8 KiB and 1 MiB, so about 2 MiB per connection
-//! that carries small frames only, 3 MiB once it sent a large one (a few
-//! hundred connections fit a 2 GiB machine; a listener's budget counts
-//! 3 MiB each). Only the region is remotely writable. Rendezvous memory
+//! by the peer's ring); `region_len` for the region once the peer first
+//! sends a frame too large for a slot, and the peer's region size for
+//! staging once this side does. Defaults: 64 × 8 KiB and 1 MiB, so
+//! 1.1 MiB per connection that carries small frames only, up to 3.1 MiB
+//! once large ones went both ways (a listener's budget counts 3.1 MiB
+//! each). Only the region is remotely writable. Rendezvous memory
 //! comes on top, while transfers run, and only on connections whose sides
 //! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
 //! at most [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least
@@ -328,7 +334,8 @@ impl RdmaTransport {
     }
 
     /// The region the peer RDMA-writes large frames into (4 KiB..=1 GiB,
-    /// default 1 MiB). Frames over half of it go in chunks.
+    /// default 1 MiB), registered when the peer first has one. Frames
+    /// over half of it go in chunks.
     pub fn region_len(mut self, bytes: u32) -> RdmaTransport {
         assert!((4096..=1 << 30).contains(&bytes), "region: 4 KiB..=1 GiB");
         self.region_len = bytes;
@@ -510,14 +517,11 @@ impl RdmaTransport {
         self.rendezvous_threshold.is_some()
     }
 
-    /// This side's hello: its geometry, and the region the peer writes
-    /// (zero address and rkey in a request meant to be refused).
-    pub(crate) fn hello(&self, region_addr: u64, region_rkey: u32) -> Hello {
+    /// This side's hello: its geometry.
+    pub(crate) fn hello(&self) -> Hello {
         Hello {
             ring_slots: self.ring_slots,
             slot_size: self.slot_size,
-            region_addr,
-            region_rkey,
             region_len: self.region_len,
             reads_rendezvous: self.reads_rendezvous(),
         }

@@ -329,8 +329,6 @@ fn stalled_client(server: SocketAddr) -> Stalled {
     let hello = Hello {
         ring_slots: 64,
         slot_size: 8192,
-        region_addr: 0,
-        region_rkey: 0,
         region_len: 1 << 20,
         reads_rendezvous: false,
     };

@@ -298,8 +298,6 @@ async fn a_recorded_proof_cannot_be_replayed() {
     let hello = Hello {
         ring_slots: 64,
         slot_size: 8192,
-        region_addr: 0,
-        region_rkey: 1,
         region_len: 1 << 20,
         reads_rendezvous: false,
     }

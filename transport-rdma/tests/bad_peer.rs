@@ -26,8 +26,15 @@ const LIMITS: FrameLimits = FrameLimits {
 };
 const STEP: Duration = Duration::from_secs(20);
 
-/// What a raw client keeps alive while the server reacts.
-type Raw = (CmId, CompletionQueue, QueuePair, MemoryRegion, MemoryRegion);
+/// What a raw client keeps alive while the server reacts (the memory of
+/// its receives, and of its message if it sent one).
+type Raw = (
+    CmId,
+    CompletionQueue,
+    QueuePair,
+    MemoryRegion,
+    Option<MemoryRegion>,
+);
 
 /// Connects with `private_data` as the hello, then SENDs `message` (if any).
 fn raw_client(
@@ -54,8 +61,6 @@ fn raw_client_posting(
     let mut qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default())
         .map_err(|e| e.to_string())?;
     let recv = MemoryRegion::new(&pd, 8 * 128, Access::LOCAL_WRITE).map_err(|e| e.to_string())?;
-    let region = MemoryRegion::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .map_err(|e| e.to_string())?;
     for i in 0..posted {
         // SAFETY: `recv` is returned with the QP and outlives it in the
         // caller; nothing reads the slots.
@@ -63,12 +68,9 @@ fn raw_client_posting(
             .map_err(|e| e.to_string())?;
     }
     let hello = private_data.unwrap_or_else(|| {
-        let r = region.remote();
         Hello {
             ring_slots: 8,
             slot_size: 128,
-            region_addr: r.addr,
-            region_rkey: r.rkey,
             region_len: 4096,
             reads_rendezvous: false,
         }
@@ -83,9 +85,9 @@ fn raw_client_posting(
         unsafe { qp.post_send(99, &send, 0..message.len()) }.map_err(|e| e.to_string())?;
         let wc = cq.wait(STEP).map_err(|e| e.to_string())?;
         assert_eq!(wc.wr_id, 99);
-        return Ok((id, cq, qp, recv, send));
+        return Ok((id, cq, qp, recv, Some(send)));
     }
-    Ok((id, cq, qp, recv, region))
+    Ok((id, cq, qp, recv, None))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,8 +103,6 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
         let mut h = Hello {
             ring_slots: 8,
             slot_size: 128,
-            region_addr: 0,
-            region_rkey: 0,
             region_len: 4096,
             reads_rendezvous: false,
         }
@@ -124,14 +124,20 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
     bad_chunk.flags = FIRST | LAST;
     bad_chunk.len = 100;
     bad_chunk.total = 100;
-    bad_chunk.pos = 12345; // not where the next chunk goes
+    let mut unasked_grant = Header::new(Kind::RegionGranted);
+    unasked_grant.pos = 4096;
+    unasked_grant.total = 1;
     let mut too_many_credits = Header::new(Kind::Credit);
     too_many_credits.credits = 1000;
     let mut freed_ahead = Header::new(Kind::Credit);
     freed_ahead.freed_to = 1 << 40;
     for (what, message) in [
         ("unknown kind", garbage),
-        ("misplaced chunk", bad_chunk.to_bytes().to_vec()),
+        (
+            "a chunk before the region was granted",
+            bad_chunk.to_bytes().to_vec(),
+        ),
+        ("a region grant unasked", unasked_grant.to_bytes().to_vec()),
         (
             "credits beyond the ring",
             too_many_credits.to_bytes().to_vec(),

@@ -160,6 +160,13 @@ struct Model {
     deliverable: usize,
     /// Frames held in place by the application.
     held: VecDeque<u32>,
+    /// The regions: we asked for the peer's and it granted it; it asked
+    /// for ours, we registered it and granted it.
+    asked_region: bool,
+    peer_granted: bool,
+    peer_asked: bool,
+    registered: bool,
+    own_granted: bool,
     failed: bool,
 }
 
@@ -206,7 +213,16 @@ impl Model {
                 header.freed_to, self.freed_to
             ));
         }
-        None
+        match header.kind {
+            Kind::Chunk if !self.own_granted => {
+                Some("a chunk before we granted our region".into())
+            }
+            Kind::RegionWanted if self.peer_asked => Some("our region asked for twice".into()),
+            Kind::RegionGranted if !self.asked_region || self.peer_granted => {
+                Some("a region grant unasked".into())
+            }
+            _ => None,
+        }
     }
 }
 
@@ -240,6 +256,11 @@ pub fn check(ops: &[Op]) {
         freed_to: 0,
         deliverable: 0,
         held: VecDeque::new(),
+        asked_region: false,
+        peer_granted: false,
+        peer_asked: false,
+        registered: false,
+        own_granted: false,
         failed: false,
     };
     for op in ops {
@@ -252,6 +273,9 @@ pub fn check(ops: &[Op]) {
             Op::Transmit => {
                 while let Some(t) = conn.poll_transmit() {
                     transmitted(&t, &mut m);
+                    if t == Transmit::RegisterRegion {
+                        conn.region_registered(0x1000, 1);
+                    }
                 }
             }
             Op::RawReceive { slot, bytes } => {
@@ -291,7 +315,14 @@ pub fn check(ops: &[Op]) {
                 let Some(&slot) = m.recv_posted.front() else {
                     continue;
                 };
-                let kinds = [Kind::Inline, Kind::Chunk, Kind::Credit, Kind::Close];
+                let kinds = [
+                    Kind::Inline,
+                    Kind::Chunk,
+                    Kind::Credit,
+                    Kind::Close,
+                    Kind::RegionWanted,
+                    Kind::RegionGranted,
+                ];
                 let mut header = Header::new(kinds[usize::from(*kind) % kinds.len()]);
                 // Only the fields its kind carries (a header malformed
                 // otherwise is `RawReceive`'s business).
@@ -303,7 +334,15 @@ pub fn check(ops: &[Op]) {
                         header.total = *total;
                         header.pos = u64::from(*pos);
                     }
-                    Kind::Credit | Kind::Close | Kind::Announce | Kind::Done => {}
+                    Kind::RegionGranted => {
+                        header.total = *total;
+                        header.pos = u64::from(*pos);
+                    }
+                    Kind::Credit
+                    | Kind::Close
+                    | Kind::Announce
+                    | Kind::Done
+                    | Kind::RegionWanted => {}
                 }
                 let returnable = u64::from(SLOTS - m.credits.min(SLOTS));
                 header.credits = credits.get(returnable).min(u16::MAX.into()) as u16;
@@ -435,6 +474,8 @@ fn arrive(m: &mut Model, slot: u32, header: &[u8], byte_len: usize) {
         Kind::Inline | Kind::Chunk => m.deliverable += 1,
         // Reposted at once: the harness sees it in the next transmit.
         Kind::Credit | Kind::Close => {}
+        Kind::RegionWanted => m.peer_asked = true,
+        Kind::RegionGranted => m.peer_granted = true,
         // With the rendezvous off, either fails the connection (the
         // checks after a failure apply).
         Kind::Announce | Kind::Done => {}
@@ -540,6 +581,13 @@ fn transmitted(t: &Transmit, m: &mut Model) {
         Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
             panic!("rendezvous work with the rendezvous off: {t:?}")
         }
+        Transmit::RegisterRegion => {
+            assert!(
+                m.peer_asked && !m.registered,
+                "our region registered unasked or twice"
+            );
+            m.registered = true;
+        }
         Transmit::Recv { slot } => {
             assert!(slot < SLOTS, "receive posted in slot {slot}");
             if m.failed {
@@ -554,6 +602,7 @@ fn transmitted(t: &Transmit, m: &mut Model) {
             offset, len, pos, ..
         } => {
             assert!(!m.failed, "a WRITE after the connection failed");
+            assert!(m.peer_granted, "a WRITE before the peer granted its region");
             assert!(
                 offset + len <= REGION,
                 "WRITE of {len} at {offset} past the peer's region"
@@ -580,6 +629,20 @@ fn transmitted(t: &Transmit, m: &mut Model) {
                 other => panic!("a SEND of kind {other:?}"),
             };
             assert!(range.contains(&slot), "{kind:?} SEND from slot {slot}");
+            match header.kind {
+                Kind::RegionWanted => {
+                    assert!(!m.asked_region, "the peer's region asked for twice");
+                    m.asked_region = true;
+                }
+                Kind::RegionGranted => {
+                    assert!(
+                        m.registered && !m.own_granted,
+                        "our region granted before it was registered, or twice"
+                    );
+                    m.own_granted = true;
+                }
+                _ => {}
+            }
             assert!(
                 !m.send_posted[slot as usize],
                 "send slot {slot} reused before its completion"

@@ -133,6 +133,8 @@ struct Side {
     /// Our region (the peer writes it); which bytes hold chunks the peer
     /// wrote and we have not reported freed; those writes (pos, offset, len).
     region: Vec<u8>,
+    /// The region is registered (the peer asked for it).
+    region_registered: bool,
     occupied: Vec<bool>,
     writes: VecDeque<(u64, usize, usize)>,
     /// Send slots and staging, as the application and the verbs layer
@@ -178,6 +180,7 @@ impl Side {
             slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
             posted: (0..SLOTS).collect(),
             region: vec![0; REGION],
+            region_registered: false,
             occupied: vec![false; REGION],
             writes: VecDeque::new(),
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
@@ -300,6 +303,11 @@ fn pump(me: &mut Side) -> usize {
             Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
                 panic!("rendezvous work with the rendezvous off: {t:?}")
             }
+            Transmit::RegisterRegion => {
+                assert!(!me.region_registered, "the region registered twice");
+                me.region_registered = true;
+                me.conn.region_registered(0, 0);
+            }
             Transmit::Recv { slot } => {
                 assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
                 assert!(
@@ -370,6 +378,10 @@ fn execute(me: &mut Side, peer: &mut Side) -> bool {
     };
     match wr {
         Wr::Write { offset, len, pos } => {
+            assert!(
+                peer.region_registered,
+                "WRITE at {pos} into a region not registered"
+            );
             for o in &mut peer.occupied[offset..offset + len] {
                 assert!(
                     !*o,

@@ -156,6 +156,9 @@ impl RdmaSink {
         let reservation = match st.proto.handle_send(len) {
             SendDecision::Encode(reservation) => reservation,
             SendDecision::Wait => {
+                // Posts what the wait needs (the first frame for the
+                // peer's region asks for it).
+                st.flush(mem);
                 st.wait_send(cx);
                 return Poll::Pending;
             }

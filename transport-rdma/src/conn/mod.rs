@@ -18,7 +18,8 @@
 //! - `recv`: the receive ring, `ring_slots × slot_size`, local write only,
 //!   every slot posted unless its message is being handled or held;
 //! - `region`: the large-payload region the peer RDMA-writes into
-//!   (local + remote write: the only remotely writable memory);
+//!   (local + remote write: the only remotely writable memory), registered
+//!   when the peer first asks for it;
 //! - `send`: send slots (the peer's slot size, one per peer ring slot plus
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
 //!   of heap-encoded frames); small frames are encoded into them;

@@ -35,21 +35,20 @@ use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
     Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
-    QpCapabilities, QueuePair, RemoteRegion, SendBatch,
+    QpCapabilities, QueuePair, SendBatch,
 };
 use crate::RdmaTransport;
 
-/// The queue pair and the memory its work requests use, in the one order
-/// they may be destroyed: Rust drops fields in declaration order, so the QP
-/// (which may have receives posted into `recv`, and whose peer may know
-/// `region`'s rkey) is destroyed before any region is deregistered and
-/// freed, on every path that drops this value (set-up errors included).
-/// Nothing moves the QP or the memory out of it separately.
+/// The queue pair and the memory its receives use, in the one order they
+/// may be destroyed: Rust drops fields in declaration order, so the QP
+/// (which may have receives posted into `recv`) is destroyed before the
+/// ring is deregistered and freed, on every path that drops this value
+/// (set-up errors included). Nothing moves the QP or the ring out of it
+/// separately.
 struct Wired {
     /// Declared first: destroyed first.
     qp: QueuePair,
     recv: MemoryRegion,
-    region: MemoryRegion,
 }
 
 /// What a connection set-up produced, before its driver starts (all `Send`).
@@ -110,17 +109,11 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     )?;
     let slot = cfg.slot_size as usize;
     let recv = MemoryRegion::new(&pd, cfg.ring_slots as usize * slot, Access::LOCAL_WRITE)?;
-    let region = MemoryRegion::new(
-        &pd,
-        cfg.region_len as usize,
-        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-    )?;
-    let remote = region.remote();
-    let own = cfg.hello(remote.addr, remote.rkey);
+    let own = cfg.hello();
     // Receives are posted only once the QP and the ring are in one `Wired`:
     // if a post fails, dropping `half` destroys the QP before the ring.
     let mut half = Half {
-        wired: Wired { qp, recv, region },
+        wired: Wired { qp, recv },
         cq,
         cc,
         pd,
@@ -281,7 +274,7 @@ async fn fetch_challenge(
 ) -> Result<Challenge, TransportError> {
     let e = |e: crate::verbs::Error| io_error(ctx.to_string(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    id.start_connect_naming_qp(&cfg.hello(0, 0).to_bytes(), qp_num)
+    id.start_connect_naming_qp(&cfg.hello().to_bytes(), qp_num)
         .map_err(e)?;
     match events.next().await.and_then(Event::connect_reply) {
         Err(crate::verbs::Error::Rejected {
@@ -394,7 +387,7 @@ impl Established {
         cfg: &RdmaTransport,
     ) -> (Arc<Shared>, CmId, CompletionChannel) {
         let Established {
-            wired: Wired { qp, recv, region },
+            wired: Wired { qp, recv },
             send,
             pd,
             cq,
@@ -438,17 +431,11 @@ impl Established {
             state: DropLater::new(Mutex::new(state)),
             mem: DropLater::new(Buffers::new(
                 recv,
-                region,
                 send,
                 pd,
-                own.slot_size as usize,
-                own.ring_slots,
+                own,
                 peer.slot_size as usize,
-                RemoteRegion {
-                    addr: peer.region_addr,
-                    rkey: peer.region_rkey,
-                    len: peer.region_len.into(),
-                },
+                peer.region_len as usize,
             )),
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),

@@ -24,7 +24,13 @@ use crate::verbs::{
 
 pub(super) struct Buffers {
     pub(super) recv: MemoryRegion,
-    pub(super) region: MemoryRegion,
+    /// The large-payload region the peer RDMA-writes into (local and
+    /// remote write): registered when the peer asks for it
+    /// ([`Transmit::RegisterRegion`](proto::Transmit::RegisterRegion)),
+    /// so a connection whose peer sends small frames only has no remotely
+    /// writable memory at all.
+    region: OnceLock<MemoryRegion>,
+    region_len: usize,
     pub(super) send: MemoryRegion,
     /// The source of our RDMA WRITEs into the peer's region, as large as
     /// it: registered when the first frame needs it ([`staging`]), so a
@@ -32,17 +38,18 @@ pub(super) struct Buffers {
     ///
     /// [`staging`]: Self::staging
     staging: OnceLock<MemoryRegion>,
-    /// Rendezvous memory (transfers' segments, destinations) and staging
-    /// are registered on it.
+    staging_len: usize,
+    /// Rendezvous memory (transfers' segments, destinations), the region
+    /// and staging are registered on it.
     pub(super) pd: ProtectionDomain,
     pub(super) slot_size: usize,
     pub(super) ring_slots: u32,
     pub(super) peer_slot_size: usize,
-    pub(super) peer_region: RemoteRegion,
 }
 
 // SAFETY: `recv`, `send` and `staging` are only accessed through their
-// `unsafe` `slice`/`slice_mut` (`staging` once `OnceLock` has published it), and each byte range is owned by exactly one
+// `unsafe` `slice`/`slice_mut` (the `OnceLock`s publish `region` and
+// `staging` once, registered), and each byte range is owned by exactly one
 // party at a time, as the protocol state (under the connection's mutex)
 // records: the device while posted, the state while being encoded or
 // handled, or one `SlotGuard` while the application holds a received frame.
@@ -54,29 +61,28 @@ pub(super) struct Buffers {
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
-    /// The connection's memory. `staging_len`: the peer's region's length
-    /// (staging mirrors its offsets).
-    #[allow(clippy::too_many_arguments)]
+    /// The connection's memory: the receive ring and send slots now; the
+    /// region (`own.region_len`) and staging (`peer_region_len`, mirroring
+    /// the peer's region's offsets) once needed.
     pub(super) fn new(
         recv: MemoryRegion,
-        region: MemoryRegion,
         send: MemoryRegion,
         pd: ProtectionDomain,
-        slot_size: usize,
-        ring_slots: u32,
+        own: proto::Hello,
         peer_slot_size: usize,
-        peer_region: RemoteRegion,
+        peer_region_len: usize,
     ) -> Buffers {
         Buffers {
             recv,
-            region,
+            region: OnceLock::new(),
+            region_len: own.region_len as usize,
             send,
             staging: OnceLock::new(),
+            staging_len: peer_region_len,
             pd,
-            slot_size,
-            ring_slots,
+            slot_size: own.slot_size as usize,
+            ring_slots: own.ring_slots,
             peer_slot_size,
-            peer_region,
         }
     }
 
@@ -85,14 +91,21 @@ impl Buffers {
     /// device or the locked-memory limit refuses the registration; the
     /// frame that needed it fails then, and the next one tries again.
     pub(super) fn staging(&self) -> Result<&MemoryRegion, crate::verbs::Error> {
-        if let Some(staging) = self.staging.get() {
-            return Ok(staging);
-        }
-        let len = usize::try_from(self.peer_region.len).expect("a region length fits usize");
-        let staging = MemoryRegion::new(&self.pd, len, Access::LOCAL_WRITE)?;
-        // Two first users at once: one registration wins, the other is
-        // dropped unused.
-        Ok(self.staging.get_or_init(|| staging))
+        registered_once(&self.staging, || {
+            MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
+        })
+    }
+
+    /// Registers the region the peer asked for (once: the protocol asks
+    /// once), remotely writable.
+    fn register_region(&self) -> Result<&MemoryRegion, crate::verbs::Error> {
+        registered_once(&self.region, || {
+            MemoryRegion::new(
+                &self.pd,
+                self.region_len,
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            )
+        })
     }
 
     pub(super) fn recv_slot(&self, slot: u32) -> Range<usize> {
@@ -398,8 +411,25 @@ impl ReadReceived for Buffers {
     }
 
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
-        self.region.read_into(offset, dst);
+        self.region
+            .get()
+            .expect("chunks arrive only in a region we granted")
+            .read_into(offset, dst);
     }
+}
+
+/// The memory in `cell`, registered by `register` the first time.
+fn registered_once(
+    cell: &OnceLock<MemoryRegion>,
+    register: impl FnOnce() -> Result<MemoryRegion, crate::verbs::Error>,
+) -> Result<&MemoryRegion, crate::verbs::Error> {
+    if let Some(region) = cell.get() {
+        return Ok(region);
+    }
+    let region = register()?;
+    // Two first users at once: one registration wins, the other is
+    // dropped unused.
+    Ok(cell.get_or_init(|| region))
 }
 
 pub(super) fn connection_error(reason: &str) -> TransportError {
@@ -500,6 +530,15 @@ impl State {
                         at += piece.len();
                     }
                 }
+                let (addr, rkey) = self
+                    .proto
+                    .peer_region()
+                    .expect("the protocol writes only into a granted region");
+                let peer_region = RemoteRegion {
+                    addr,
+                    rkey,
+                    len: mem.staging_len as u64,
+                };
                 // SAFETY: `staging[offset..offset + len]` holds this chunk,
                 // allocated to it until the peer reports it freed (after the
                 // WRITE landed); the memory outlives the QP. Unsignaled: the
@@ -509,7 +548,7 @@ impl State {
                         WorkKind::Write.wr_id(0),
                         staging,
                         offset..offset + len,
-                        mem.peer_region,
+                        peer_region,
                         offset as u64,
                         false,
                     )
@@ -577,6 +616,21 @@ impl State {
                 // The peer read it (its `Done`): deregistering ends its
                 // access; no request of ours uses it.
                 self.out_transfers.remove(&transfer);
+                Ok(())
+            }
+            Transmit::RegisterRegion => {
+                // Registering pins the region's pages: a millisecond or so
+                // for the default 1 MiB, once per connection, under the
+                // lock (the peer's frames wait for it anyway).
+                match mem.register_region() {
+                    Ok(region) => {
+                        let remote = region.remote();
+                        self.proto.region_registered(remote.addr, remote.rkey);
+                    }
+                    Err(e) => self
+                        .proto
+                        .fail(format!("registering the region the peer asked for: {e}")),
+                }
                 Ok(())
             }
             Transmit::Send {

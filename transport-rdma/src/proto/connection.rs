@@ -183,6 +183,37 @@ pub enum Transmit {
         /// Our transfer id.
         transfer: u64,
     },
+    /// The peer asked for our region (its first frame too large for a
+    /// slot): register it, remotely writable, and report it with
+    /// [`Connection::region_registered`]; the grant goes then.
+    RegisterRegion,
+}
+
+/// The peer's region, as its writer (we) knows it. It exists only once
+/// asked for: a connection whose frames all fit a slot never has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerRegion {
+    /// No frame needed it yet.
+    Unasked,
+    /// A frame needs it: `RegionWanted` goes with the next control slot.
+    ToAsk,
+    /// `RegionWanted` went; frames for it wait for the grant.
+    Asked,
+    /// Granted: the address remote requests name its start by, its rkey.
+    Granted { addr: u64, rkey: u32 },
+}
+
+/// Our region, as the peer asks for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnRegion {
+    /// Not asked for: not registered, nothing of ours is remotely writable.
+    Unasked,
+    /// Asked for: being registered ([`Transmit::RegisterRegion`]).
+    Registering,
+    /// Registered: `RegionGranted` goes with the next control slot.
+    ToGrant { addr: u64, rkey: u32 },
+    /// Granted: the peer may write it.
+    Granted,
 }
 
 /// Where [`handle_send`](Connection::handle_send) lets a frame be encoded.
@@ -524,6 +555,7 @@ pub struct Connection {
     /// The peer's region is written up to here (stream position): it may
     /// not report space beyond it freed.
     region_sent_to: u64,
+    peer_region: PeerRegion,
     /// Which receive slots (first `ring_slots`) and send slots (the rest)
     /// have a work request posted and not completed: a completion for one
     /// that has none is a broken verbs layer, not something to act on.
@@ -532,6 +564,7 @@ pub struct Connection {
     ring_slots: u32,
     slot_size: usize,
     ring: RecvRing,
+    own_region: OwnRegion,
     reader: RegionReader,
     reassembly: Reassembly,
     /// The call ([`lane`]) of the chunked frame being reassembled: inline
@@ -581,6 +614,7 @@ impl Connection {
             in_flight: 0,
             data_slots: peer,
             region_sent_to: 0,
+            peer_region: PeerRegion::Unasked,
             // Every receive slot is posted before connecting.
             posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
                 .map(|i| i < cfg.ring_slots)
@@ -588,6 +622,7 @@ impl Connection {
             ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.ring_slots),
+            own_region: OwnRegion::Unasked,
             reader: RegionReader::new(cfg.region_len),
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
             chunked_lane: None,
@@ -802,7 +837,16 @@ impl Connection {
             });
         }
         let max_chunk = self.writer.max_chunk() as usize;
-        let place = match route(len, self.inline_max, max_chunk) {
+        let route = route(len, self.inline_max, max_chunk);
+        if route != Route::Inline && !matches!(self.peer_region, PeerRegion::Granted { .. }) {
+            // The first frame for the peer's region asks for it, and it
+            // and the ones after it wait for the grant.
+            if self.peer_region == PeerRegion::Unasked {
+                self.peer_region = PeerRegion::ToAsk;
+            }
+            return SendDecision::Wait;
+        }
+        let place = match route {
             Route::Inline => {
                 let Some(slot) = self.free_send.pop() else {
                     return SendDecision::Wait;
@@ -1173,9 +1217,25 @@ impl Connection {
             self.probe = false;
             self.push_send(WorkKind::Control, slot, h, 0);
         }
+        // Asking for the peer's region likewise: a data message's credit,
+        // as the frames that wait for it need.
+        if self.peer_region == PeerRegion::ToAsk
+            && !self.free_ctrl.is_empty()
+            && self.credits.take_data()
+        {
+            let slot = self.free_ctrl.pop().expect("checked");
+            self.peer_region = PeerRegion::Asked;
+            self.probe = false;
+            self.push_send(WorkKind::Control, slot, Header::new(Kind::RegionWanted), 0);
+        }
+        // The grant may take the last credit, as a `Credit` message does
+        // (it returns credits as one does): the peer's frames wait for it,
+        // and the peer may be waiting for them before it reads ours.
         if let Some(&slot) = self.free_ctrl.last() {
             let kind = if self.own_close() == OwnClose::Requested && self.queue.is_empty() {
                 Some(Kind::Close)
+            } else if matches!(self.own_region, OwnRegion::ToGrant { .. }) {
+                Some(Kind::RegionGranted)
             } else if self.ring.wants_credit_message() || self.reader.wants_report() || self.probe {
                 Some(Kind::Credit)
             } else {
@@ -1184,12 +1244,19 @@ impl Connection {
             if let Some(kind) = kind {
                 if self.credits.take_control() {
                     self.free_ctrl.pop();
-                    if kind == Kind::Close {
-                        self.set_own_close(OwnClose::Sent);
+                    let mut header = Header::new(kind);
+                    match (kind, self.own_region) {
+                        (Kind::Close, _) => self.set_own_close(OwnClose::Sent),
+                        (Kind::RegionGranted, OwnRegion::ToGrant { addr, rkey }) => {
+                            header.pos = addr;
+                            header.total = rkey;
+                            self.own_region = OwnRegion::Granted;
+                        }
+                        _ => {}
                     }
                     // Any control message answers a probe.
                     self.probe = false;
-                    self.push_send(WorkKind::Control, slot, Header::new(kind), 0);
+                    self.push_send(WorkKind::Control, slot, header, 0);
                 }
             }
         }
@@ -1398,6 +1465,11 @@ impl Connection {
                 len: header.len,
             }),
             Kind::Chunk => {
+                if self.own_region != OwnRegion::Granted {
+                    return Err(ProtocolError::new(
+                        "a chunk in our region before we granted it",
+                    ));
+                }
                 let offset = self.reader.accept(header.pos, header.len.into())?;
                 self.arrived.push_back(Arrived::Chunk {
                     slot,
@@ -1426,6 +1498,27 @@ impl Connection {
                         )))
                     }
                 }
+            }
+            Kind::RegionWanted => {
+                self.repost(slot);
+                if self.own_region != OwnRegion::Unasked {
+                    return Err(ProtocolError::new("the peer asked for our region twice"));
+                }
+                self.own_region = OwnRegion::Registering;
+                self.transmit.push_back(Transmit::RegisterRegion);
+            }
+            Kind::RegionGranted => {
+                self.repost(slot);
+                if self.peer_region != PeerRegion::Asked {
+                    return Err(ProtocolError::new(format!(
+                        "the peer granted its region unasked ({:?})",
+                        self.peer_region
+                    )));
+                }
+                self.peer_region = PeerRegion::Granted {
+                    addr: header.pos,
+                    rkey: header.total,
+                };
             }
             Kind::Close => {
                 self.repost(slot);
@@ -1721,12 +1814,42 @@ impl Connection {
         self.in_flight
     }
 
+    /// Where the peer's region is (the address remote requests name its
+    /// start by, and its rkey), once it granted it: what every
+    /// [`Transmit::Write`] writes into.
+    pub fn peer_region(&self) -> Option<(u64, u32)> {
+        match self.peer_region {
+            PeerRegion::Granted { addr, rkey } => Some((addr, rkey)),
+            _ => None,
+        }
+    }
+
+    /// Our region is registered ([`Transmit::RegisterRegion`]): grant it
+    /// to the peer.
+    pub fn region_registered(&mut self, addr: u64, rkey: u32) {
+        assert_eq!(
+            self.own_region,
+            OwnRegion::Registering,
+            "a region registered that the protocol did not ask for"
+        );
+        self.own_region = OwnRegion::ToGrant { addr, rkey };
+    }
+
+    /// Both regions granted from the start, for tests of what follows.
+    #[cfg(test)]
+    pub(crate) fn regions_granted(mut self) -> Connection {
+        self.peer_region = PeerRegion::Granted { addr: 0, rkey: 0 };
+        self.own_region = OwnRegion::Granted;
+        self
+    }
+
     /// A one-line summary of the state, for debugging stalls.
     pub fn summary(&self) -> String {
         format!(
             "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
              in_flight {} writer_in_use {} | ring held {} outstanding {} pending {} arrived {} \
-             reader_wants_report {} | rendezvous out {} in {} reads {} pool {} dones {} | {:?}",
+             reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
+             pool {} dones {} | {:?}",
             self.credits.available(),
             self.queue.len(),
             match self.queue.front() {
@@ -1747,6 +1870,8 @@ impl Connection {
             self.ring.pending(),
             self.arrived.len(),
             self.reader.wants_report(),
+            self.peer_region,
+            self.own_region,
             self.outgoing.len(),
             self.incoming.len(),
             self.reads.len(),
@@ -1767,19 +1892,11 @@ mod tests {
     const SLOTS: u32 = 8;
     const RING_SLOTS: u32 = 12;
 
+    /// A connection of [`connection_config`] whose peer granted its
+    /// region, and that granted its own (see
+    /// `the_first_region_frame_asks_for_the_region_and_waits_for_the_grant`).
     fn connection() -> Connection {
-        Connection::new(Config {
-            ring_slots: RING_SLOTS,
-            slot_size: 96,
-            region_len: 256,
-            peer_ring_slots: SLOTS,
-            peer_region_len: 256,
-            inline_max: 96 - HEADER_LEN,
-            max_frame_len: 1000,
-            max_skip_len: 4000,
-            prefix_len: 20,
-            rendezvous: RendezvousConfig::OFF,
-        })
+        Connection::new(connection_config()).regions_granted()
     }
 
     /// A control message from the peer: no credits, `freed_to` as given.
@@ -2071,6 +2188,142 @@ mod tests {
         assert_eq!(conn.failure(), None);
     }
 
+    /// A header-only message of `kind` from the peer, with `pos` and
+    /// `total` as given.
+    fn message(kind: Kind, pos: u64, total: u32) -> [u8; HEADER_LEN] {
+        let mut header = Header::new(kind);
+        header.pos = pos;
+        header.total = total;
+        header.to_bytes()
+    }
+
+    /// The control messages in `posted`.
+    fn control_kinds(posted: &[Transmit]) -> Vec<Kind> {
+        posted
+            .iter()
+            .filter_map(|t| match t {
+                Transmit::Send {
+                    kind: WorkKind::Control,
+                    header,
+                    ..
+                } => Some(header.kind),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// No region exists until a frame needs it: the first frame too large
+    /// for a slot asks for the peer's (once, however many wait), the peer
+    /// registers its region only then and grants it, and the frames go.
+    #[test]
+    fn the_first_region_frame_asks_for_the_region_and_waits_for_the_grant() {
+        let mut writer = Connection::new(connection_config());
+        let mut owner = Connection::new(connection_config());
+        assert_eq!(writer.handle_send(100), SendDecision::Wait);
+        assert_eq!(writer.handle_send(200), SendDecision::Wait);
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert_eq!(control_kinds(&posted), [Kind::RegionWanted], "{posted:?}");
+        assert_eq!(writer.peer_region(), None);
+        // Inline frames do not wait for it.
+        assert!(matches!(writer.handle_send(20), SendDecision::Encode(_)));
+
+        // The owner registers its region only when asked.
+        assert!(std::iter::from_fn(|| owner.poll_transmit()).all(|t| t != Transmit::RegisterRegion));
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RegionWanted, 0, 0),
+        );
+        let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+        assert!(posted.contains(&Transmit::RegisterRegion), "{posted:?}");
+        assert_eq!(control_kinds(&posted), [], "no grant before registration");
+        owner.region_registered(0x1000, 77);
+        let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+        let grant = posted.iter().find_map(|t| match t {
+            Transmit::Send { header, .. } if header.kind == Kind::RegionGranted => Some(*header),
+            _ => None,
+        });
+        let grant = grant.unwrap_or_else(|| panic!("no grant in {posted:?}"));
+        assert_eq!((grant.pos, grant.total), (0x1000, 77));
+
+        complete(
+            &mut writer,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RegionGranted, 0x1000, 77),
+        );
+        assert_eq!(writer.failure(), None);
+        assert_eq!(writer.peer_region(), Some((0x1000, 77)));
+        let SendDecision::Encode(reservation) = writer.handle_send(100) else {
+            panic!("the region frame still waits once granted")
+        };
+        writer.queue_frame(reservation, None).unwrap();
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert!(
+            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
+            "{posted:?}"
+        );
+    }
+
+    /// The grant goes even when the owner's data credits are spent (its
+    /// peer may be waiting for the grant before it reads, and so returns
+    /// credits): it takes the last credit, as a `Credit` message does.
+    #[test]
+    fn the_grant_takes_the_last_credit() {
+        let mut owner = Connection::new(connection_config());
+        while let SendDecision::Encode(reservation) = owner.handle_send(20) {
+            owner.queue_frame(reservation, None).unwrap();
+            while owner.poll_transmit().is_some() {}
+        }
+        assert_eq!(owner.credits_available(), 1, "only the last credit left");
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RegionWanted, 0, 0),
+        );
+        while owner.poll_transmit().is_some() {}
+        owner.region_registered(0x1000, 77);
+        let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+        assert_eq!(control_kinds(&posted), [Kind::RegionGranted], "{posted:?}");
+        assert_eq!(owner.credits_available(), 0);
+    }
+
+    /// Region messages out of turn fail the connection, saying which.
+    #[test]
+    fn region_messages_out_of_turn_break_the_protocol() {
+        let mut chunk = Header::new(Kind::Chunk);
+        chunk.flags = FIRST | LAST;
+        chunk.len = 100;
+        chunk.total = 100;
+        let asked_twice = [
+            message(Kind::RegionWanted, 0, 0),
+            message(Kind::RegionWanted, 0, 0),
+        ];
+        for (what, messages, expected) in [
+            (
+                "a chunk before the grant",
+                vec![chunk.to_bytes()],
+                "before we granted",
+            ),
+            ("asked twice", asked_twice.to_vec(), "twice"),
+            (
+                "a grant unasked",
+                vec![message(Kind::RegionGranted, 0x1000, 77)],
+                "unasked",
+            ),
+        ] {
+            let mut conn = Connection::new(connection_config());
+            for (slot, bytes) in messages.iter().enumerate() {
+                complete(&mut conn, WorkKind::Recv.wr_id(slot as u32), bytes);
+                while conn.poll_transmit().is_some() {}
+                if conn.own_region == OwnRegion::Registering {
+                    conn.region_registered(0, 1);
+                }
+            }
+            let failure = conn.failure().unwrap_or_else(|| panic!("{what}: accepted"));
+            assert!(failure.contains(expected), "{what}: {failure}");
+        }
+    }
+
     /// A chunked frame goes in chunks of at most `HEAP_CHUNK_MAX` (not half
     /// the region), at most `HEAP_SLOTS` of them before a completion, and a
     /// small frame of another call queued behind it goes after its first
@@ -2084,7 +2337,8 @@ mod tests {
             peer_region_len: region,
             max_frame_len: 8 << 20,
             ..connection_config()
-        });
+        })
+        .regions_granted();
         let mut queue = |len: usize, call: u64| {
             let SendDecision::Encode(reservation) = conn.handle_send(len) else {
                 panic!("no room for a frame of {len} bytes")

@@ -29,6 +29,14 @@ pub enum Kind {
     Announce = 5,
     /// The receiver has read rendezvous transfer `pos`: the sender releases it.
     Done = 6,
+    /// The sender has a frame for the receiver's region: the receiver
+    /// registers it (it exists only once asked for) and answers
+    /// `RegionGranted`. Sent once per connection, at most.
+    RegionWanted = 7,
+    /// The answer to `RegionWanted`: the region may be written from now on;
+    /// `pos` is the address remote requests name its start by, `total` its
+    /// rkey (its length is the hello's).
+    RegionGranted = 8,
 }
 
 /// The header of one message.
@@ -45,10 +53,11 @@ pub struct Header {
     pub credits: u16,
     /// Bytes after the header (`Inline`) or written into the region (`Chunk`).
     pub len: u32,
-    /// The whole frame's length (`Chunk` with [`FIRST`]), else 0.
+    /// The whole frame's length (`Chunk` with [`FIRST`]), the region's
+    /// rkey (`RegionGranted`), else 0.
     pub total: u32,
     /// Region stream position of the chunk (`Chunk`), the transfer id
-    /// (`Announce`, `Done`), else 0.
+    /// (`Announce`, `Done`), the region's address (`RegionGranted`), else 0.
     pub pos: u64,
     /// The sender's region is freed up to this stream position.
     pub freed_to: u64,
@@ -104,6 +113,8 @@ impl Header {
             4 => Kind::Close,
             5 => Kind::Announce,
             6 => Kind::Done,
+            7 => Kind::RegionWanted,
+            8 => Kind::RegionGranted,
             other => return Err(ProtocolError::new(format!("unknown message kind {other}"))),
         };
         let header = Header {
@@ -177,7 +188,12 @@ impl Header {
                     return Err(ProtocolError::new("malformed Done message"));
                 }
             }
-            Kind::Credit | Kind::Close => {
+            Kind::RegionGranted => {
+                if body != 0 || header.flags != 0 || header.len != 0 {
+                    return Err(ProtocolError::new("malformed RegionGranted message"));
+                }
+            }
+            Kind::Credit | Kind::Close | Kind::RegionWanted => {
                 if body != 0
                     || header.flags != 0
                     || header.len != 0

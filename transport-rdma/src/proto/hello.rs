@@ -5,7 +5,7 @@ use super::{ProtocolError, HEADER_LEN};
 /// First bytes of every [`Hello`]: `"RRPC"`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
 /// Set in a hello's flags when its side reads rendezvous transfers
@@ -13,13 +13,15 @@ pub const HELLO_LEN: usize = 32;
 pub const FLAG_READS_RENDEZVOUS: u16 = 2;
 
 /// One side's receive geometry: how many receive slots of what size it
-/// keeps posted (the peer's credits), and the region the peer may RDMA
-/// WRITE into.
+/// keeps posted (the peer's credits), and how large a region the peer may
+/// RDMA WRITE into once it asked for it (`RegionWanted`; the region's
+/// address and key come in the answer, so none is registered, and none
+/// goes on the wire, for a connection that never needs one).
 ///
 /// Layout (little-endian): `magic: u32, version: u16, flags: u16
 /// ([`FLAG_READS_RENDEZVOUS`], and [`auth::FLAG_PROOF`](super::auth::FLAG_PROOF)
 /// when a proof follows),
-/// ring_slots: u32, slot_size: u32, region_addr: u64, region_rkey: u32,
+/// ring_slots: u32, slot_size: u32, reserved: [u8; 12] (zero),
 /// region_len: u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
@@ -27,13 +29,8 @@ pub struct Hello {
     pub ring_slots: u32,
     /// Bytes per receive slot, header included.
     pub slot_size: u32,
-    /// Address remote writes name the large-payload region's start by:
-    /// 0 where the device registers it zero-based (most do, rxe and mlx5
-    /// included), so no address of the process goes on the wire.
-    pub region_addr: u64,
-    /// Its remote key.
-    pub region_rkey: u32,
-    /// Its length in bytes.
+    /// The length in bytes of the large-payload region it grants when
+    /// asked.
     pub region_len: u32,
     /// This side takes rendezvous transfers: it RDMA READs announced frames
     /// into its pool. A side sends by rendezvous only to a peer that does,
@@ -67,8 +64,6 @@ impl Hello {
         b[6..8].copy_from_slice(&flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.ring_slots.to_le_bytes());
         b[12..16].copy_from_slice(&self.slot_size.to_le_bytes());
-        b[16..24].copy_from_slice(&self.region_addr.to_le_bytes());
-        b[24..28].copy_from_slice(&self.region_rkey.to_le_bytes());
         b[28..32].copy_from_slice(&self.region_len.to_le_bytes());
         b
     }
@@ -95,11 +90,12 @@ impl Hello {
                 "peer speaks protocol version {version}, this side {VERSION}"
             )));
         }
+        if b[16..28].iter().any(|&byte| byte != 0) {
+            return Err(ProtocolError::new("peer's hello has reserved bytes set"));
+        }
         let hello = Hello {
             ring_slots: u32_at(8),
             slot_size: u32_at(12),
-            region_addr: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
-            region_rkey: u32_at(24),
             region_len: u32_at(28),
             reads_rendezvous: u16::from_le_bytes([b[6], b[7]]) & FLAG_READS_RENDEZVOUS != 0,
         };
@@ -123,13 +119,6 @@ impl Hello {
                 hello.region_len, limits.max_region_len
             )));
         }
-        if hello
-            .region_addr
-            .checked_add(hello.region_len.into())
-            .is_none()
-        {
-            return Err(ProtocolError::new("peer's region wraps the address space"));
-        }
         Ok(hello)
     }
 }
@@ -148,8 +137,6 @@ mod tests {
         Hello {
             ring_slots: 64,
             slot_size: 8192,
-            region_addr: 0x7f00_0000_0000,
-            region_rkey: 0x1234,
             region_len: 1 << 20,
             reads_rendezvous: false,
         }
@@ -186,7 +173,7 @@ mod tests {
         b[0] ^= 1;
         assert!(Hello::decode(&b, &LIMITS).is_err());
         let mut b = hello().to_bytes();
-        b[4] = 1; // version 1 (before the rendezvous)
+        b[4] = 3; // version 3 (the region in the hello)
         assert!(Hello::decode(&b, &LIMITS).is_err());
         for bad in [
             Hello {
@@ -213,12 +200,11 @@ mod tests {
                 region_len: 1 << 30,
                 ..hello()
             },
-            Hello {
-                region_addr: u64::MAX - 10,
-                ..hello()
-            },
         ] {
             assert!(Hello::decode(&bad.to_bytes(), &LIMITS).is_err(), "{bad:?}");
         }
+        let mut b = hello().to_bytes();
+        b[20] = 1; // reserved
+        assert!(Hello::decode(&b, &LIMITS).is_err());
     }
 }

@@ -8,7 +8,7 @@
 //!
 //! - [`Header`]: the fixed header at the start of every SEND;
 //! - [`Hello`]: what the peers exchange in the connection manager's private
-//!   data (protocol version, ring and region geometry, region address/rkey);
+//!   data (protocol version, ring geometry and region length);
 //! - [`Refused`]: why a server refused a connection (in its reject's
 //!   private data);
 //! - [`CreditWindow`]: the sender's credits for free receive slots at the peer;
@@ -24,7 +24,7 @@
 //!   work requests to post and frames to deliver out), which the verbs
 //!   layer drives and the simulation tests.
 //!
-//! # Wire protocol (version 1)
+//! # Wire protocol (version 4)
 //! Every message is one SEND into a receive slot, starting with a 32-byte
 //! [`Header`]. An `Inline` message carries a whole frame after the header.
 //! A `Chunk` message announces `len` bytes the sender has just RDMA-written
@@ -32,11 +32,16 @@
 //! byte stream: offset `pos % region_len`); on an RC queue pair the WRITE is
 //! in place before the SEND's receive completes. Each message also returns
 //! `credits` receive slots and the sender's region `freed_to` position.
-//! `Credit` messages carry only those; `Close` ends the stream.
+//! `Credit` messages carry only those; `Close` ends the stream. The
+//! receiver's region exists once the sender asked for it: `RegionWanted`
+//! before its first `Chunk`, answered by `RegionGranted` (the region's
+//! address and rkey), each at most once per connection and direction.
 //! `Announce` and `Done` carry the rendezvous of large frames (the
 //! receiver RDMA READs them out of the sender's memory): see the
 //! `rendezvous` module's docs, [`Announcement`] and [`RendezvousConfig`].
-//! (Version 2 added them; a version-1 peer is refused at connect.)
+//! (Version 2 added them; version 4 the region on request, where version 3
+//! put its address and rkey in the hello; a peer of another version is
+//! refused at connect.)
 
 pub mod auth;
 mod connection;

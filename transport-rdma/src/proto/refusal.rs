@@ -162,8 +162,6 @@ mod tests {
         let hello = Hello {
             ring_slots: 8,
             slot_size: 4096,
-            region_addr: 0,
-            region_rkey: 0,
             region_len: 4096,
             reads_rendezvous: false,
         };

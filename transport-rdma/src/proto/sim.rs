@@ -109,6 +109,8 @@ struct Side {
     /// Our region (the peer writes it), which bytes hold unread chunks, and
     /// the writes into it not yet freed (pos, offset, len).
     region: Vec<u8>,
+    /// The region was registered (the peer asked for it): writable.
+    region_registered: bool,
     occupied: Vec<bool>,
     writes: VecDeque<(u64, usize, usize)>,
     /// Send slots and staging, as the sender encodes into them.
@@ -168,6 +170,7 @@ impl Side {
             slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
             posted: (0..SLOTS).collect(),
             region: vec![0; REGION],
+            region_registered: false,
             occupied: vec![false; REGION],
             writes: VecDeque::new(),
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
@@ -322,6 +325,10 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 pos,
                 data,
             } => {
+                assert!(
+                    peer.region_registered && me.conn.peer_region().is_some(),
+                    "a WRITE into a region the peer has not granted"
+                );
                 if let Some(data) = data {
                     data.copy_to(&mut me.staging[offset..offset + len]);
                 }
@@ -373,6 +380,11 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 dest[offset..offset + len].copy_from_slice(&segment[from..from + len]);
                 me.completions
                     .push_back((WorkKind::Read.wr_id(seq), 0, Vec::new()));
+            }
+            Transmit::RegisterRegion => {
+                assert!(!me.region_registered, "the region registered twice");
+                me.region_registered = true;
+                me.conn.region_registered(0, 0);
             }
             Transmit::Release { transfer } => {
                 let rkeys = me

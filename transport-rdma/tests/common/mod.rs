@@ -105,14 +105,13 @@ impl TestEnv {
 }
 
 /// Registered bytes of one connection end with the default settings on
-/// both sides: receive ring 64 x 8 KiB, send slots for the peer's ring
-/// plus 8 control and chunk slots, the 1 MiB region and, once the end sent
-/// a frame too large for a slot, a 1 MiB staging region.
+/// both sides, once frames too large for a slot went both ways: receive
+/// ring 64 x 8 KiB, send slots for the peer's ring plus 8 control and
+/// chunk slots, the 1 MiB region and a 1 MiB staging region.
 pub const PINNED_PER_END: u64 = pinned_per_end(64, 8192, 1 << 20);
 
-/// [`PINNED_PER_END`] before the end sent a frame too large for a slot:
-/// no staging region yet.
-pub const IDLE_PER_END: u64 = idle_per_end(64, 8192, 1 << 20);
+/// [`PINNED_PER_END`] while only small frames went: no region, no staging.
+pub const IDLE_PER_END: u64 = idle_per_end(64, 8192);
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
 pub fn pinned_bytes() -> u64 {
@@ -130,20 +129,20 @@ pub fn pinned_bytes() -> u64 {
 }
 
 /// Bytes one connection end registers when both sides use a ring of
-/// `ring_slots` x `slot_size` and a region of `region_len`, once it sent a
-/// frame too large for a slot: what [`idle_per_end`] counts, and a staging
-/// region as large as the peer's region.
+/// `ring_slots` x `slot_size` and a region of `region_len`, once frames too
+/// large for a slot went both ways: what [`idle_per_end`] counts, the
+/// region (the peer asked for it) and a staging region as large as the
+/// peer's region (for its own).
 pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    idle_per_end(ring_slots, slot_size, region_len) + pages(region_len)
+    idle_per_end(ring_slots, slot_size) + 2 * pages(region_len)
 }
 
-/// Bytes one connection end registers (as [`pinned_per_end`]) while it
-/// has sent small frames only: the receive ring, send slots for the
-/// peer's ring plus 8 control and chunk slots, and the region, each rounded
-/// up to whole pages (what registration pins; see
-/// `transport_rdma::verbs::registered_bytes`).
-pub const fn idle_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + pages(region_len)
+/// Bytes one connection end registers (as [`pinned_per_end`]) while small
+/// frames only went: the receive ring and send slots for the peer's ring
+/// plus 8 control and chunk slots, each rounded up to whole pages (what
+/// registration pins; see `transport_rdma::verbs::registered_bytes`).
+pub const fn idle_per_end(ring_slots: u64, slot_size: u64) -> u64 {
+    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size)
 }
 
 const fn pages(bytes: u64) -> u64 {
