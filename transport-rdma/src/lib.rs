@@ -121,13 +121,15 @@
 //!   position and length from the peer is checked before use ([`proto`]).
 //!
 //! # Memory per connection
-//! `ring_slots × slot_size` for receiving plus as much for sending (sized
-//! by the peer's ring); `region_len` for the region once the peer first
-//! sends a frame too large for a slot, and the peer's region size for
-//! staging once this side does. Defaults: 64 × 8 KiB and 1 MiB, so
-//! 1.1 MiB per connection that carries small frames only, up to 3.1 MiB
-//! once large ones went both ways (a listener's budget counts 3.1 MiB
-//! each). Only the region is remotely writable. Rendezvous memory
+//! `ring_slots × slot_size` for receiving; as much for sending (sized by
+//! the peer's ring) once this side sends a frame too long to go inline
+//! (256 bytes with its header); `region_len` for the region once the peer
+//! first sends a frame too large for a slot, and the peer's region size
+//! for staging once this side does. Defaults: 64 × 8 KiB and 1 MiB, so
+//! 512 KiB per connection end whose frames all go inline, 1.1 MiB once
+//! they need slots, up to 3.1 MiB once large ones went both ways (a
+//! listener's budget counts 3.1 MiB each). Only the region is remotely
+//! writable. Rendezvous memory
 //! comes on top, while transfers run, and only on connections whose sides
 //! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
 //! at most [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least

@@ -12,7 +12,7 @@ use rpc_test_support as support;
 use bytes::Bytes;
 use common::{
     mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, TestEnv,
-    IDLE_PER_END, PINNED_PER_END,
+    IDLE_PER_END, PINNED_PER_END, SMALL_FRAMES_PER_END,
 };
 use futures::future::join_all;
 use futures::StreamExt;
@@ -100,14 +100,15 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     server.stop().await;
 }
 
-/// A connection that carried small frames only has registered neither a
-/// region nor staging (1 MiB each by default): an idle end pins its ring
-/// and send slots. The first frame too large for a slot makes its sender
-/// register staging and its receiver the region, once. Counted exactly, by
-/// the transport's count of registered bytes.
+/// Memory is registered as a connection's frames need it: an end whose
+/// frames all went inline (up to 256 bytes with their header) pins its
+/// receive ring alone; the first frame too long to go inline registers the
+/// sender's send slots; the first too large for a slot makes the sender
+/// register staging and the receiver its region. Each once. Counted
+/// exactly, by the transport's count of registered bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn region_and_staging_are_registered_with_the_first_large_frame_only() {
+async fn memory_is_registered_as_the_frames_need_it() {
     let env = TestEnv::from_env();
     transport_rdma::install();
     // Earlier tests' connections may still be closing on the teardown
@@ -120,14 +121,19 @@ async fn region_and_staging_are_registered_with_the_first_large_frame_only() {
     );
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
-    let region = PINNED_PER_END - IDLE_PER_END;
+    let region = PINNED_PER_END - SMALL_FRAMES_PER_END;
 
     echo(&client, 0, 100).await;
-    echo(&client, 1, 4000).await;
     assert_eq!(
         registered_bytes(),
         2 * IDLE_PER_END,
-        "both ends of a connection that carried small frames only"
+        "both ends of a connection whose frames all went inline"
+    );
+    echo(&client, 1, 4000).await;
+    assert_eq!(
+        registered_bytes(),
+        2 * SMALL_FRAMES_PER_END,
+        "both ends of a connection whose frames all fit a slot"
     );
     // A 200 KiB echo: each end registers staging for its frame and its
     // region for the peer's.
@@ -153,9 +159,10 @@ async fn region_and_staging_are_registered_with_the_first_large_frame_only() {
     // Not a check: what the first large frame each way pays (a round trip
     // and two registrations per direction).
     println!(
-        "idle: {} KiB registered an end; a 200 KiB echo took {first:.1?} first \
-         (registering the regions), {second:.1?} next",
-        IDLE_PER_END >> 10
+        "registered an end: {} KiB while frames went inline, {} KiB while they fit a slot; \
+         a 200 KiB echo took {first:.1?} first (registering the regions), {second:.1?} next",
+        IDLE_PER_END >> 10,
+        SMALL_FRAMES_PER_END >> 10
     );
     server.stop().await;
 }

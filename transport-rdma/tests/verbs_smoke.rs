@@ -1,5 +1,6 @@
 //! Verbs smoke test on a real RDMA device: open it, connect two RC queue
-//! pairs through librdmacm, SEND/RECV (inline), an unsignaled RDMA WRITE
+//! pairs through librdmacm, SEND/RECV (inline, from memory not registered
+//! yet), an unsignaled RDMA WRITE (refused until the memory is registered)
 //! and a SEND linked in one post, and check the bytes.
 //!
 //! These tests need a device, named by environment variables:
@@ -211,7 +212,8 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
             "client: the server's region is too small: {remote:?}"
         ));
     }
-    let mr = MemoryRegion::new(&pd, 8192, Access::LOCAL_WRITE).map_err(step("send region"))?;
+    // Not registered yet: inline sends need no lkey.
+    let mr = MemoryRegion::unregistered(&pd, 8192, Access::LOCAL_WRITE);
     mr.write_at(0, SEND_MESSAGE);
     mr.write_at(1024, &pattern(WRITE_LEN));
     mr.write_at(4096, DONE_MESSAGE);
@@ -228,6 +230,20 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
     // The server must see the message as posted, not this.
     mr.write_at(0, &vec![b'!'; SEND_MESSAGE.len()]);
     expect_completion(&cq, 10, "SEND")?;
+    // Anything longer needs the registration: refused until then.
+    // SAFETY: refused, so nothing is queued.
+    match unsafe { qp.queue_write(11, &mr, 1024..1024 + WRITE_LEN, remote, WRITE_OFFSET, false) } {
+        Err(Error::NotRegistered { .. }) => {}
+        other => {
+            return Err(format!(
+                "client: a {WRITE_LEN}-byte WRITE from unregistered memory: {other:?}"
+            ))
+        }
+    }
+    if qp.has_queued() || mr.is_registered() {
+        return Err("client: a refused WRITE left something queued or registered".into());
+    }
+    mr.register().map_err(step("registering the send region"))?;
     // The WRITE and the SEND after it go in one post, linked; the WRITE
     // unsignaled, as the transport posts a region chunk's: the SEND's is
     // the next completion (the server checks the WRITE's bytes landed).

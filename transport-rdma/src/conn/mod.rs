@@ -22,7 +22,10 @@
 //!   when the peer first asks for it;
 //! - `send`: send slots (the peer's slot size, one per peer ring slot plus
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
-//!   of heap-encoded frames); small frames are encoded into them;
+//!   of heap-encoded frames); small frames are encoded into them.
+//!   Registered with the first SEND too long to go inline (the device
+//!   copies inline sends out of the work request): a connection whose
+//!   frames all go inline pins none;
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it. Registered
 //!   with the first frame that needs it: a connection that only carries

@@ -159,13 +159,14 @@ fn finish(
     peer_addr: String,
     lease: Option<Lease>,
     authenticated: bool,
-) -> Result<Established, crate::verbs::Error> {
-    let send = MemoryRegion::new(
+) -> Established {
+    // Registered with the first SEND too long to go inline.
+    let send = MemoryRegion::unregistered(
         &half.pd,
         (peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) as usize * peer.slot_size as usize,
         Access::LOCAL_WRITE,
-    )?;
-    Ok(Established {
+    );
+    Established {
         wired: half.wired,
         send,
         pd: half.pd,
@@ -177,7 +178,7 @@ fn finish(
         peer_addr,
         lease,
         authenticated,
-    })
+    }
 }
 
 /// Client side: resolve, create, connect, exchange hellos. With a shared
@@ -228,15 +229,14 @@ pub(crate) async fn connect(
         TransportError::Protocol(format!("{ctx}: {p}"))
     })?;
     let authenticated = cfg.auth_secret.is_some();
-    finish(
+    Ok(finish(
         id,
         half,
         peer,
         format!("rdma://{addr}"),
         None,
         authenticated,
-    )
-    .map_err(e)
+    ))
 }
 
 /// A connection manager id bound to a route to `addr`, with the
@@ -351,7 +351,7 @@ pub(crate) async fn accept(
         id.set_ack_timeout(exponent).map_err(e)?;
     }
     let half = make_half(&mut id, cfg).map_err(e)?;
-    let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some()).map_err(e)?;
+    let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {
         (Some(proven), Some(secret)) => proven.reply(secret, own).to_vec(),

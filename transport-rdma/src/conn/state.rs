@@ -645,6 +645,12 @@ impl State {
                 // not posted, no other slice; the header is inside it.
                 let dst = unsafe { mem.send.slice_mut(start..start + HEADER_LEN) };
                 header.encode(dst.try_into().expect("HEADER_LEN bytes"));
+                if HEADER_LEN + body_len > self.qp.max_inline_data() as usize {
+                    // The send slots are registered with the first SEND
+                    // too long to go inline: a connection of small frames
+                    // pins none.
+                    mem.send.register()?;
+                }
                 // SAFETY: the slot stays untouched until its send completion
                 // frees it; the memory outlives the QP.
                 unsafe {

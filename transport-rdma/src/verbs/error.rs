@@ -165,6 +165,13 @@ pub enum Error {
         /// The region's length.
         len: u64,
     },
+    /// A work request needs the lkey of memory not registered yet (only
+    /// inline sends may come from such memory).
+    #[error("a {len}-byte work request from memory not registered (register it first)")]
+    NotRegistered {
+        /// The request's length.
+        len: u32,
+    },
     /// The memory region belongs to another protection domain than the QP.
     #[error("the memory region belongs to another protection domain than the queue pair")]
     ForeignMemoryRegion,

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use rdma_sys as ffi;
@@ -97,16 +97,34 @@ impl RemoteRegion {
 /// Dropping deregisters the region, then frees the buffer; if
 /// `ibv_dereg_mr` fails the device may still use the buffer, so it is
 /// leaked (and the failure logged) instead of freed.
+///
+/// A buffer made [`unregistered`](Self::unregistered) is registered by
+/// [`register`](Self::register) when first needed: until then it can be
+/// the source of inline sends only (the device copies those out of the
+/// work request; their lkey is not used), and pins nothing.
 pub struct MemoryRegion {
-    raw: NonNull<ffi::ibv_mr>,
+    registration: OnceLock<Registration>,
     buf: NonNull<u8>,
     len: usize,
-    /// The address remote requests name the buffer's start by: 0 for a
-    /// zero-based registration, else the buffer's own address.
-    iova: u64,
+    access: Access,
     remote_write: bool,
     pub(crate) pd: Arc<PdInner>,
 }
+
+/// A [`MemoryRegion`]'s MR.
+struct Registration {
+    raw: NonNull<ffi::ibv_mr>,
+    /// The address remote requests name the buffer's start by: 0 for a
+    /// zero-based registration, else the buffer's own address.
+    iova: u64,
+}
+
+// SAFETY: the MR handle is only passed to libibverbs, whose calls are
+// thread-safe; it is set once (the `OnceLock`) and freed by the owning
+// `MemoryRegion`'s Drop.
+unsafe impl Send for Registration {}
+// SAFETY: as for Send.
+unsafe impl Sync for Registration {}
 
 // SAFETY: the value owns its buffer and MR handle (libibverbs calls are
 // thread-safe); moving it to another thread moves that ownership. It is not
@@ -118,32 +136,61 @@ impl MemoryRegion {
     /// them on `pd`. Whole pages: registration pins whole pages, so the
     /// buffer shares none with other data and pins nothing beyond itself.
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
+        let region = Self::unregistered(pd, len, access);
+        region.register()?;
+        Ok(region)
+    }
+
+    /// Allocates `len` zeroed bytes on pages of their own, to be
+    /// registered on `pd` with `access` by [`register`](Self::register)
+    /// when first needed. Pins nothing until then.
+    pub fn unregistered(pd: &ProtectionDomain, len: usize, access: Access) -> Self {
         let len = len.max(1);
-        let remote_write = access.0 & Access::REMOTE_WRITE.0 != 0;
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        // SAFETY: `buf..buf+len` is memory this value owns and frees
-        // only after deregistering it (Drop).
-        let registered = unsafe { register(pd, buf.as_ptr(), len, access) };
-        match registered {
-            Ok((raw, iova)) => Ok(Self {
-                // Counted from here, so that `Drop` (which subtracts) pairs with it.
-                len: pinned(len),
-                raw,
-                buf,
-                iova,
-                remote_write,
-                pd: Arc::clone(&pd.inner),
-            }),
-            Err(e) => {
-                // SAFETY: `buf` was allocated above with this layout and
-                // was not registered.
-                unsafe { std::alloc::dealloc(buf.as_ptr(), layout) };
-                Err(e)
-            }
+        Self {
+            registration: OnceLock::new(),
+            buf,
+            len,
+            access,
+            remote_write: access.0 & Access::REMOTE_WRITE.0 != 0,
+            pd: Arc::clone(&pd.inner),
         }
+    }
+
+    /// Registers the buffer (`ibv_reg_mr`), unless it is already. On an
+    /// error it stays unregistered; a later call tries again.
+    pub fn register(&self) -> Result<()> {
+        if self.registration.get().is_some() {
+            return Ok(());
+        }
+        let pd = ProtectionDomain {
+            inner: Arc::clone(&self.pd),
+        };
+        // SAFETY: `buf..buf+len` is memory this value owns and frees only
+        // after deregistering it (Drop).
+        let (raw, iova) = unsafe { register(&pd, self.buf.as_ptr(), self.len, self.access)? };
+        let mut registered = Some(Registration { raw, iova });
+        self.registration.get_or_init(|| {
+            // Counted from here, so that `Drop` (which subtracts) pairs with it.
+            pinned(self.len);
+            registered.take().expect("initialised once")
+        });
+        if let Some(lost) = registered {
+            // Another thread registered it meanwhile (a `&self` shared
+            // across threads by a caller's own synchronisation): ours is
+            // not used by anything.
+            // SAFETY: `lost.raw` is the MR just made, deregistered once.
+            unsafe { ffi::ibv_dereg_mr(lost.raw.as_ptr()) };
+        }
+        Ok(())
+    }
+
+    /// Whether the buffer is registered.
+    pub fn is_registered(&self) -> bool {
+        self.registration.get().is_some()
     }
 
     /// The allocation of a `len`-byte buffer: whole pages.
@@ -163,35 +210,54 @@ impl MemoryRegion {
         self.len == 0
     }
 
-    /// The local key, for scatter/gather entries.
+    /// The local key, for scatter/gather entries. Panics if the buffer is
+    /// not registered.
     pub fn lkey(&self) -> u32 {
+        let registration = self
+            .registration
+            .get()
+            .expect("lkey of unregistered memory");
         // SAFETY: `raw` is the live MR this value owns.
-        unsafe { self.raw.as_ref().lkey }
+        unsafe { registration.raw.as_ref().lkey }
     }
 
-    /// What a peer needs to access the region remotely.
+    /// What a peer needs to access the region remotely. Panics if the
+    /// buffer is not registered.
     pub fn remote(&self) -> RemoteRegion {
+        let registration = self
+            .registration
+            .get()
+            .expect("remote access to unregistered memory");
         // SAFETY: `raw` is the live MR this value owns.
-        let rkey = unsafe { self.raw.as_ref().rkey };
+        let rkey = unsafe { registration.raw.as_ref().rkey };
         RemoteRegion {
-            addr: self.iova,
+            addr: registration.iova,
             rkey,
             len: self.len as u64,
         }
     }
 
-    /// Checks `range` and returns its address and length for an SGE.
-    pub(crate) fn sge(&self, range: Range<usize>) -> Result<ffi::ibv_sge> {
+    /// Checks `range` and returns its address and length for an SGE. An
+    /// unregistered buffer gives ranges of at most `inline_max` bytes (a
+    /// send the device copies inline; its lkey, 0, is not used) and
+    /// refuses longer ones.
+    pub(crate) fn sge(&self, range: Range<usize>, inline_max: u32) -> Result<ffi::ibv_sge> {
         self.check(&range)?;
         let length = u32::try_from(range.len()).map_err(|_| Error::OutOfBounds {
             start: range.start as u64,
             end: range.end as u64,
             len: u32::MAX.into(),
         })?;
+        let lkey = match self.registration.get() {
+            // SAFETY: `raw` is the live MR this value owns.
+            Some(registration) => unsafe { registration.raw.as_ref().lkey },
+            None if length <= inline_max => 0,
+            None => return Err(Error::NotRegistered { len: length }),
+        };
         Ok(ffi::ibv_sge {
             addr: self.buf.as_ptr() as u64 + range.start as u64,
             length,
-            lkey: self.lkey(),
+            lkey,
         })
     }
 
@@ -307,24 +373,27 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        // SAFETY: `raw` is the live MR this value owns, deregistered once
-        // (here). Posting from or into it is `unsafe` and requires the MR
-        // to outlive the operation (its completion, or the QP's
-        // destruction), so no work request uses the buffer any more.
-        let ret = unsafe { ffi::ibv_dereg_mr(self.raw.as_ptr()) };
-        if ret != 0 {
-            // Still registered: the device may read or write the buffer
-            // (a peer holding the rkey, too). Freeing it would hand memory
-            // the device can change to the allocator: leak it instead.
-            tracing::error!(
-                len = self.len,
-                error = %super::errno_error(ret),
-                "ibv_dereg_mr failed: leaking the region's buffer rather than freeing memory the device may still access"
-            );
-            return;
+        if let Some(registration) = self.registration.get() {
+            // SAFETY: `raw` is the live MR this value owns, deregistered
+            // once (here). Posting from or into it is `unsafe` and requires
+            // the MR to outlive the operation (its completion, or the QP's
+            // destruction), so no work request uses the buffer any more.
+            let ret = unsafe { ffi::ibv_dereg_mr(registration.raw.as_ptr()) };
+            if ret != 0 {
+                // Still registered: the device may read or write the buffer
+                // (a peer holding the rkey, too). Freeing it would hand
+                // memory the device can change to the allocator: leak it
+                // instead.
+                tracing::error!(
+                    len = self.len,
+                    error = %super::errno_error(ret),
+                    "ibv_dereg_mr failed: leaking the region's buffer rather than freeing memory the device may still access"
+                );
+                return;
+            }
+            // Still counted above when leaked: its pages stay pinned.
+            REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
         }
-        // Still counted above when leaked: its pages stay pinned.
-        REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
         // SAFETY: `buf` was allocated in `new` with this layout and is no
         // longer registered (ibv_dereg_mr succeeded just above).
         unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };

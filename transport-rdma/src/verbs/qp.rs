@@ -199,7 +199,7 @@ impl QueuePair {
         range: Range<usize>,
     ) -> Result<()> {
         self.check_pd(mr)?;
-        let mut sge = mr.sge(range)?;
+        let mut sge = mr.sge(range, 0)?;
         let mut wr = ffi::ibv_recv_wr {
             wr_id,
             next: ptr::null_mut(),
@@ -333,7 +333,13 @@ impl QueuePair {
         signaled: bool,
     ) -> Result<()> {
         self.check_pd(mr)?;
-        let sge = mr.sge(range)?;
+        // The poster sends up to `max_inline` bytes inline (not READs).
+        let inline_max = if opcode == ffi::ibv_wr_opcode::IBV_WR_RDMA_READ {
+            0
+        } else {
+            self.max_inline
+        };
+        let sge = mr.sge(range, inline_max)?;
         self.queued.push(Queued {
             wr_id,
             sge,

@@ -110,8 +110,13 @@ impl TestEnv {
 /// chunk slots, the 1 MiB region and a 1 MiB staging region.
 pub const PINNED_PER_END: u64 = pinned_per_end(64, 8192, 1 << 20);
 
-/// [`PINNED_PER_END`] while only small frames went: no region, no staging.
-pub const IDLE_PER_END: u64 = idle_per_end(64, 8192);
+/// [`PINNED_PER_END`] while only frames that go inline went (up to 256
+/// bytes with their header): the receive ring alone.
+pub const IDLE_PER_END: u64 = pages(64 * 8192);
+
+/// [`PINNED_PER_END`] once frames too long to go inline went, but none too
+/// large for a slot: the receive ring and the send slots.
+pub const SMALL_FRAMES_PER_END: u64 = pages(64 * 8192) + pages((64 + 8) * 8192);
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
 pub fn pinned_bytes() -> u64 {
@@ -130,19 +135,13 @@ pub fn pinned_bytes() -> u64 {
 
 /// Bytes one connection end registers when both sides use a ring of
 /// `ring_slots` x `slot_size` and a region of `region_len`, once frames too
-/// large for a slot went both ways: what [`idle_per_end`] counts, the
-/// region (the peer asked for it) and a staging region as large as the
-/// peer's region (for its own).
+/// large for a slot went both ways: the receive ring, send slots for the
+/// peer's ring plus 8 control and chunk slots, the region (the peer asked
+/// for it) and a staging region as large as the peer's region (for its
+/// own), each rounded up to whole pages (what registration pins; see
+/// `transport_rdma::verbs::registered_bytes`).
 pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    idle_per_end(ring_slots, slot_size) + 2 * pages(region_len)
-}
-
-/// Bytes one connection end registers (as [`pinned_per_end`]) while small
-/// frames only went: the receive ring and send slots for the peer's ring
-/// plus 8 control and chunk slots, each rounded up to whole pages (what
-/// registration pins; see `transport_rdma::verbs::registered_bytes`).
-pub const fn idle_per_end(ring_slots: u64, slot_size: u64) -> u64 {
-    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size)
+    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
 }
 
 const fn pages(bytes: u64) -> u64 {
