@@ -102,6 +102,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             "default",
             Hello {
                 ring_slots: 64,
+                initial_slots: 8,
                 slot_size: 8192,
                 region_len: 1 << 20,
                 reads_rendezvous: false,
@@ -111,6 +112,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             "smallest",
             Hello {
                 ring_slots: 8,
+                initial_slots: 8,
                 slot_size: 96,
                 region_len: 4096,
                 reads_rendezvous: false,
@@ -120,6 +122,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
             "largest",
             Hello {
                 ring_slots: 256,
+                initial_slots: 8,
                 slot_size: 64 * 1024,
                 region_len: 16 << 20,
                 reads_rendezvous: false,

@@ -121,14 +121,16 @@
 //!   position and length from the peer is checked before use ([`proto`]).
 //!
 //! # Memory per connection
-//! `ring_slots × slot_size` for receiving; as much for sending (sized by
-//! the peer's ring) once this side sends a frame too long to go inline
-//! (256 bytes with its header); `region_len` for the region once the peer
-//! first sends a frame too large for a slot, and the peer's region size
-//! for staging once this side does. Defaults: 64 × 8 KiB and 1 MiB, so
-//! 512 KiB per connection end whose frames all go inline, 1.1 MiB once
-//! they need slots, up to 3.1 MiB once large ones went both ways (a
-//! listener's budget counts 3.1 MiB each). Only the region is remotely
+//! 8 receive slots at first, `ring_slots × slot_size` once the peer keeps
+//! half of those consumed (many calls in flight, a stream); as much for
+//! sending (sized by the peer's ring) once this side sends a frame too long
+//! to go inline (256 bytes with its header); `region_len` for the region
+//! once the peer first sends a frame too large for a slot, and the peer's
+//! region size for staging once this side does. Defaults: 64 × 8 KiB and
+//! 1 MiB, so 64 KiB per connection end whose calls go one at a time and
+//! inline, 512 KiB once many ran at once, 1.1 MiB once they needed slots,
+//! up to 3.1 MiB once large ones went both ways (a listener's budget counts
+//! 3.1 MiB each). Only the region is remotely
 //! writable. Rendezvous memory
 //! comes on top, while transfers run, and only on connections whose sides
 //! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
@@ -247,6 +249,12 @@ pub const MEASURED_RENDEZVOUS_THRESHOLD: usize = 128 << 10;
 /// not move 25 MB in 36 s; with 64 KiB READs they move at 2-7 MB/s (still
 /// a fifth of the same tensors through the region, 7-21 MB/s: rendezvous
 /// stays off by default).
+/// Receive slots a connection posts at first (64 KiB at the default 8 KiB
+/// slot): enough for calls one at a time and a few in flight. The rest of
+/// the ring is registered and posted once the peer keeps half of these
+/// consumed, and goes to it as credits then (one round trip, once per
+/// connection and direction).
+const INITIAL_RING_SLOTS: u32 = 8;
 const RENDEZVOUS_READ_CHUNK: usize = 64 << 10;
 /// RDMA READs in flight per connection (the connection manager's
 /// initiator depth is as deep).
@@ -323,7 +331,8 @@ impl Default for RdmaTransport {
 impl RdmaTransport {
     /// Receive ring: `slots` slots (8..=4096, default 64) of `slot_size`
     /// bytes (header included; 96..=64 KiB, default 8 KiB). Panics outside
-    /// those bounds.
+    /// those bounds. The first 8 are registered and posted at set-up, the
+    /// rest once the peer keeps half of those consumed.
     pub fn ring(mut self, slots: u32, slot_size: u32) -> RdmaTransport {
         assert!((8..=4096).contains(&slots), "ring slots: 8..=4096");
         assert!(
@@ -523,6 +532,7 @@ impl RdmaTransport {
     pub(crate) fn hello(&self) -> Hello {
         Hello {
             ring_slots: self.ring_slots,
+            initial_slots: self.ring_slots.min(INITIAL_RING_SLOTS),
             slot_size: self.slot_size,
             region_len: self.region_len,
             reads_rendezvous: self.reads_rendezvous(),

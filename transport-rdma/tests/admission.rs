@@ -328,6 +328,7 @@ fn stalled_client(server: SocketAddr) -> Stalled {
     let qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default()).expect("queue pair");
     let hello = Hello {
         ring_slots: 64,
+        initial_slots: 8,
         slot_size: 8192,
         region_len: 1 << 20,
         reads_rendezvous: false,

@@ -297,6 +297,7 @@ async fn a_recorded_proof_cannot_be_replayed() {
         .unwrap();
     let hello = Hello {
         ring_slots: 64,
+        initial_slots: 8,
         slot_size: 8192,
         region_len: 1 << 20,
         reads_rendezvous: false,

@@ -70,6 +70,7 @@ fn raw_client_posting(
     let hello = private_data.unwrap_or_else(|| {
         Hello {
             ring_slots: 8,
+            initial_slots: 8,
             slot_size: 128,
             region_len: 4096,
             reads_rendezvous: false,
@@ -102,6 +103,7 @@ async fn protocol_breakers_are_refused_or_disconnected_and_the_listener_goes_on(
     for bad_hello in [b"GET / HTTP/1.1".to_vec(), {
         let mut h = Hello {
             ring_slots: 8,
+            initial_slots: 8,
             slot_size: 128,
             region_len: 4096,
             reads_rendezvous: false,

@@ -12,7 +12,7 @@ use rpc_test_support as support;
 use bytes::Bytes;
 use common::{
     mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, TestEnv,
-    IDLE_PER_END, PINNED_PER_END, SMALL_FRAMES_PER_END,
+    IDLE_PER_END, PINNED_PER_END, RING_REST_PER_END, SMALL_FRAMES_PER_END,
 };
 use futures::future::join_all;
 use futures::StreamExt;
@@ -101,11 +101,13 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
 }
 
 /// Memory is registered as a connection's frames need it: an end whose
-/// frames all went inline (up to 256 bytes with their header) pins its
-/// receive ring alone; the first frame too long to go inline registers the
-/// sender's send slots; the first too large for a slot makes the sender
-/// register staging and the receiver its region. Each once. Counted
-/// exactly, by the transport's count of registered bytes.
+/// frames all went inline (up to 256 bytes with their header), one call at
+/// a time, pins its receive ring's first 8 slots alone; the first frame too
+/// long to go inline registers the sender's send slots; the first too large
+/// for a slot makes the sender register staging and the receiver its
+/// region; many calls at once make the receiver register the rest of its
+/// ring. Each once. Counted exactly, by the transport's count of
+/// registered bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn memory_is_registered_as_the_frames_need_it() {
@@ -121,7 +123,7 @@ async fn memory_is_registered_as_the_frames_need_it() {
     );
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
-    let region = PINNED_PER_END - SMALL_FRAMES_PER_END;
+    let region = PINNED_PER_END - RING_REST_PER_END - SMALL_FRAMES_PER_END;
 
     echo(&client, 0, 100).await;
     assert_eq!(
@@ -142,7 +144,7 @@ async fn memory_is_registered_as_the_frames_need_it() {
     let first = first.elapsed();
     assert_eq!(
         registered_bytes(),
-        2 * PINNED_PER_END,
+        2 * (PINNED_PER_END - RING_REST_PER_END),
         "both ends, once a region frame went each way: region and staging \
          are {region} bytes an end"
     );
@@ -153,9 +155,33 @@ async fn memory_is_registered_as_the_frames_need_it() {
     echo(&client, 5, 100).await;
     assert_eq!(
         registered_bytes(),
-        2 * PINNED_PER_END,
+        2 * (PINNED_PER_END - RING_REST_PER_END),
         "region and staging are registered once"
     );
+    // Calls 32 at a time: the server receives requests faster than it
+    // answers them, and registers the rest of its ring (the client may,
+    // with the answers). A burst may be answered as it comes: a few tries.
+    let mut bursts = 0;
+    while registered_bytes() == 2 * (PINNED_PER_END - RING_REST_PER_END) && bursts < 10 {
+        join_all((0..32).map(|i| echo(&client, 6 + bursts * 32 + i, 100))).await;
+        bursts += 1;
+    }
+    let grown = [2 * PINNED_PER_END - RING_REST_PER_END, 2 * PINNED_PER_END];
+    assert!(
+        grown.contains(&registered_bytes()),
+        "{} bytes registered after {bursts} bursts of 32 calls: expected one or both \
+         ends' rings grown by {RING_REST_PER_END} bytes",
+        registered_bytes()
+    );
+    // A ring grows once: more calls at once register nothing more.
+    for round in 0..3 {
+        join_all((0..64).map(|i| echo(&client, 1000 + round * 64 + i, 4000))).await;
+        assert!(
+            grown.contains(&registered_bytes()),
+            "{} bytes registered after 64 more calls at once",
+            registered_bytes()
+        );
+    }
     // Not a check: what the first large frame each way pays (a round trip
     // and two registrations per direction).
     println!(

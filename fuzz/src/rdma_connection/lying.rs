@@ -231,9 +231,12 @@ pub fn check(ops: &[Op]) {
     let mark = live_bytes();
     let mut conn = Connection::new(Config {
         ring_slots: SLOTS,
+        // The whole ring at once (the crate's own simulation grows it).
+        initial_ring_slots: SLOTS,
         slot_size: SLOT_SIZE,
         region_len: REGION as u64,
         peer_ring_slots: SLOTS,
+        peer_initial_ring_slots: SLOTS,
         peer_region_len: REGION as u64,
         inline_max: SLOT_SIZE - HEADER_LEN,
         max_frame_len: MAX_FRAME,
@@ -581,6 +584,7 @@ fn transmitted(t: &Transmit, m: &mut Model) {
         Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
             panic!("rendezvous work with the rendezvous off: {t:?}")
         }
+        Transmit::RegisterRing => panic!("the ring grew, though whole from the start"),
         Transmit::RegisterRegion => {
             assert!(
                 m.peer_asked && !m.registered,

@@ -166,9 +166,12 @@ impl Side {
         Side {
             conn: Connection::new(Config {
                 ring_slots: SLOTS,
+                // The whole ring at once (the crate's own simulation grows it).
+                initial_ring_slots: SLOTS,
                 slot_size: SLOT_SIZE,
                 region_len: REGION as u64,
                 peer_ring_slots: SLOTS,
+                peer_initial_ring_slots: SLOTS,
                 peer_region_len: REGION as u64,
                 inline_max: INLINE_MAX,
                 max_frame_len: MAX_FRAME,
@@ -303,6 +306,7 @@ fn pump(me: &mut Side) -> usize {
             Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
                 panic!("rendezvous work with the rendezvous off: {t:?}")
             }
+            Transmit::RegisterRing => panic!("the ring grew, though whole from the start"),
             Transmit::RegisterRegion => {
                 assert!(!me.region_registered, "the region registered twice");
                 me.region_registered = true;

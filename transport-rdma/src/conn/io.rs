@@ -46,6 +46,7 @@ impl Drop for PoolGuard {
 struct SlotGuard {
     pub(super) shared: Arc<Shared>,
     slot: u32,
+    /// The frame's bytes in the slot.
     range: Range<usize>,
 }
 
@@ -54,7 +55,7 @@ impl AsRef<[u8]> for SlotGuard {
         // SAFETY: the slot's receive completed and it is reposted only after
         // this guard drops; nothing writes it meanwhile (the ring is local
         // write only: the peer cannot write it).
-        unsafe { self.shared.mem.recv.slice(self.range.clone()) }
+        unsafe { self.shared.mem.ring.slice(self.slot, self.range.clone()) }
     }
 }
 
@@ -379,18 +380,16 @@ impl FrameSource for RdmaSource {
                 Delivered::Eof => break Ok(None),
                 Delivered::Failed(reason) => break Err(connection_error(&reason)),
                 Delivered::InSlot { slot, len } => {
-                    let start = mem.recv_slot(slot).start + HEADER_LEN;
                     break Ok(Some(Bytes::from_owner(SlotGuard {
                         shared: Arc::clone(shared),
                         slot,
-                        range: start..start + len,
+                        range: HEADER_LEN..HEADER_LEN + len,
                     })));
                 }
                 Delivered::CopyOut { slot, len } => {
-                    let start = mem.recv_slot(slot).start + HEADER_LEN;
                     // SAFETY: the slot's receive completed; it is reposted
                     // only below, after this slice's last use.
-                    let data = unsafe { mem.recv.slice(start..start + len) };
+                    let data = unsafe { mem.ring.slice(slot, HEADER_LEN..HEADER_LEN + len) };
                     let bytes = Bytes::copy_from_slice(data);
                     st.proto.handle_copied(slot);
                     break Ok(Some(bytes));

@@ -15,8 +15,10 @@
 //! completions and connection-manager events into protocol inputs.
 //!
 //! Memory of one connection (all registered with its own protection domain):
-//! - `recv`: the receive ring, `ring_slots × slot_size`, local write only,
-//!   every slot posted unless its message is being handled or held;
+//! - `ring`: the receive ring, `ring_slots × slot_size`, local write only,
+//!   every slot in use posted unless its message is being handled or
+//!   held; its first slots registered at set-up, the rest when the peer's
+//!   traffic needs them ([`ring`]);
 //! - `region`: the large-payload region the peer RDMA-writes into
 //!   (local + remote write: the only remotely writable memory), registered
 //!   when the peer first asks for it;
@@ -34,6 +36,7 @@
 mod cm_events;
 mod driver;
 mod io;
+mod ring;
 mod setup;
 mod state;
 mod transfer;

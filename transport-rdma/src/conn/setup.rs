@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
+use super::ring::RingMemory;
 use super::state::{Buffers, Shared, State};
 use crate::admission::Lease;
 use crate::proto::auth::{self, Challenge, Proven};
@@ -41,14 +42,14 @@ use crate::RdmaTransport;
 
 /// The queue pair and the memory its receives use, in the one order they
 /// may be destroyed: Rust drops fields in declaration order, so the QP
-/// (which may have receives posted into `recv`) is destroyed before the
+/// (which may have receives posted into `ring`) is destroyed before the
 /// ring is deregistered and freed, on every path that drops this value
 /// (set-up errors included). Nothing moves the QP or the ring out of it
 /// separately.
 struct Wired {
     /// Declared first: destroyed first.
     qp: QueuePair,
-    recv: MemoryRegion,
+    ring: RingMemory,
 }
 
 /// What a connection set-up produced, before its driver starts (all `Send`).
@@ -107,30 +108,31 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
             max_inline_data: INLINE_SEND_BYTES,
         },
     )?;
-    let slot = cfg.slot_size as usize;
-    let recv = MemoryRegion::new(&pd, cfg.ring_slots as usize * slot, Access::LOCAL_WRITE)?;
     let own = cfg.hello();
+    // The first slots now, the rest when the peer's traffic needs them.
+    let ring = RingMemory::new(
+        &pd,
+        own.ring_slots,
+        own.initial_slots,
+        own.slot_size as usize,
+    )?;
     // Receives are posted only once the QP and the ring are in one `Wired`:
     // if a post fails, dropping `half` destroys the QP before the ring.
     let mut half = Half {
-        wired: Wired { qp, recv },
+        wired: Wired { qp, ring },
         cq,
         cc,
         pd,
         own,
     };
     let wired = &mut half.wired;
-    for i in 0..cfg.ring_slots {
-        let start = i as usize * slot;
-        // SAFETY: `recv` and the QP live in the same `Wired`, whose field
+    for i in 0..own.initial_slots {
+        let (mr, range) = wired.ring.slot(i);
+        // SAFETY: the ring and the QP live in the same `Wired`, whose field
         // order destroys the QP first (then in `Shared`, likewise); slots
         // are read only after their receive completed and reposted only
         // once released.
-        unsafe {
-            wired
-                .qp
-                .post_recv(WorkKind::Recv.wr_id(i), &wired.recv, start..start + slot)?
-        };
+        unsafe { wired.qp.post_recv(WorkKind::Recv.wr_id(i), mr, range)? };
     }
     Ok(half)
 }
@@ -387,7 +389,7 @@ impl Established {
         cfg: &RdmaTransport,
     ) -> (Arc<Shared>, CmId, CompletionChannel) {
         let Established {
-            wired: Wired { qp, recv },
+            wired: Wired { qp, ring },
             send,
             pd,
             cq,
@@ -406,9 +408,11 @@ impl Established {
             qp,
             proto: proto::Connection::new(proto::Config {
                 ring_slots: own.ring_slots,
+                initial_ring_slots: own.initial_slots,
                 slot_size: own.slot_size as usize,
                 region_len: own.region_len.into(),
                 peer_ring_slots: peer.ring_slots,
+                peer_initial_ring_slots: peer.initial_slots,
                 peer_region_len: peer.region_len.into(),
                 inline_max,
                 max_frame_len: limits.max_frame_len,
@@ -430,7 +434,7 @@ impl Established {
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),
             mem: DropLater::new(Buffers::new(
-                recv,
+                ring,
                 send,
                 pd,
                 own,

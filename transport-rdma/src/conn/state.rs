@@ -12,6 +12,7 @@ use std::task::{Context, Waker};
 use rpc_core::transport::TransportError;
 use tokio::sync::Notify;
 
+use super::ring::RingMemory;
 use crate::proto::{
     self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN, PEEK_LEN,
 };
@@ -23,7 +24,7 @@ use crate::verbs::{
 };
 
 pub(super) struct Buffers {
-    pub(super) recv: MemoryRegion,
+    pub(super) ring: RingMemory,
     /// The large-payload region the peer RDMA-writes into (local and
     /// remote write): registered when the peer asks for it
     /// ([`Transmit::RegisterRegion`](proto::Transmit::RegisterRegion)),
@@ -42,14 +43,12 @@ pub(super) struct Buffers {
     /// Rendezvous memory (transfers' segments, destinations), the region
     /// and staging are registered on it.
     pub(super) pd: ProtectionDomain,
-    pub(super) slot_size: usize,
-    pub(super) ring_slots: u32,
     pub(super) peer_slot_size: usize,
 }
 
-// SAFETY: `recv`, `send` and `staging` are only accessed through their
-// `unsafe` `slice`/`slice_mut` (the `OnceLock`s publish `region` and
-// `staging` once, registered), and each byte range is owned by exactly one
+// SAFETY: `ring`, `send` and `staging` are only accessed through their
+// `unsafe` `slice`/`slice_mut` or raw copies (the `OnceLock`s publish
+// `region`, `staging` and the ring's rest once, registered), and each byte range is owned by exactly one
 // party at a time, as the protocol state (under the connection's mutex)
 // records: the device while posted, the state while being encoded or
 // handled, or one `SlotGuard` while the application holds a received frame.
@@ -61,11 +60,12 @@ pub(super) struct Buffers {
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
-    /// The connection's memory: the receive ring and send slots now; the
-    /// region (`own.region_len`) and staging (`peer_region_len`, mirroring
-    /// the peer's region's offsets) once needed.
+    /// The connection's memory: the receive ring's first slots and the
+    /// send slots now; the rest of the ring, the region (`own.region_len`)
+    /// and staging (`peer_region_len`, mirroring the peer's region's
+    /// offsets) once needed.
     pub(super) fn new(
-        recv: MemoryRegion,
+        ring: RingMemory,
         send: MemoryRegion,
         pd: ProtectionDomain,
         own: proto::Hello,
@@ -73,15 +73,13 @@ impl Buffers {
         peer_region_len: usize,
     ) -> Buffers {
         Buffers {
-            recv,
+            ring,
             region: OnceLock::new(),
             region_len: own.region_len as usize,
             send,
             staging: OnceLock::new(),
             staging_len: peer_region_len,
             pd,
-            slot_size: own.slot_size as usize,
-            ring_slots: own.ring_slots,
             peer_slot_size,
         }
     }
@@ -106,11 +104,6 @@ impl Buffers {
                 Access::LOCAL_WRITE | Access::REMOTE_WRITE,
             )
         })
-    }
-
-    pub(super) fn recv_slot(&self, slot: u32) -> Range<usize> {
-        let start = slot as usize * self.slot_size;
-        start..start + self.slot_size
     }
 
     pub(super) fn send_slot(&self, slot: u32) -> Range<usize> {
@@ -406,8 +399,7 @@ impl Drop for Locked<'_> {
 /// The verbs layer reads received bytes for the protocol by raw copies.
 impl ReadReceived for Buffers {
     fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
-        self.recv
-            .read_into(self.recv_slot(slot).start + offset, dst);
+        self.ring.read_into(slot, offset, dst);
     }
 
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
@@ -510,10 +502,8 @@ impl State {
                 // was handled and nothing refers to its bytes any more (its
                 // guard, if any, was dropped); the memory outlives the QP
                 // (see `Shared`).
-                unsafe {
-                    self.qp
-                        .post_recv(WorkKind::Recv.wr_id(slot), &mem.recv, mem.recv_slot(slot))
-                }
+                let (mr, range) = mem.ring.slot(slot);
+                unsafe { self.qp.post_recv(WorkKind::Recv.wr_id(slot), mr, range) }
             }
             Transmit::Write {
                 offset, len, data, ..
@@ -571,13 +561,12 @@ impl State {
                     }
                 };
                 // The frame's head came in the announcement.
-                let start = mem.recv_slot(slot).start + head_at;
                 // SAFETY: the announcement's receive completed and its slot
                 // is reposted only once the frame is delivered; the ring is
                 // local write only, so nothing writes it meanwhile. The
                 // head lies inside the message (the protocol checked it
                 // against the message's length, at most a slot).
-                let head = unsafe { mem.recv.slice(start..start + head_len) };
+                let head = unsafe { mem.ring.slice(slot, head_at..head_at + head_len) };
                 // Not yet read into: no request uses the destination.
                 dest.mr.write_at(0, head);
                 self.destinations.insert(transfer, dest);
@@ -616,6 +605,22 @@ impl State {
                 // The peer read it (its `Done`): deregistering ends its
                 // access; no request of ours uses it.
                 self.out_transfers.remove(&transfer);
+                Ok(())
+            }
+            Transmit::RegisterRing => {
+                // The peer keeps many messages in flight: the rest of the
+                // ring (448 KiB by default, once per connection) is
+                // registered under the lock, as the region is.
+                match mem.ring.register_rest(&mem.pd) {
+                    Ok(()) => self.proto.ring_registered(),
+                    Err(e) => {
+                        tracing::warn!(
+                            "an RDMA connection's receive ring stays at its first slots: \
+                             registering the rest failed: {e}"
+                        );
+                        self.proto.ring_not_registered();
+                    }
+                }
                 Ok(())
             }
             Transmit::RegisterRegion => {
@@ -700,8 +705,10 @@ impl State {
         let mut header = [0; PEEK_LEN];
         let mut header_len = 0;
         if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
-            if failure.is_none() && slot < mem.ring_slots {
-                header_len = (wc.byte_len as usize).min(PEEK_LEN).min(mem.slot_size);
+            if failure.is_none() && slot < mem.ring.slots() {
+                header_len = (wc.byte_len as usize)
+                    .min(PEEK_LEN)
+                    .min(mem.ring.slot_size());
                 // A raw copy out of the slot whose receive completed: the
                 // device no longer writes it.
                 mem.read_slot(slot, 0, &mut header[..header_len]);

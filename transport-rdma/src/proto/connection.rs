@@ -187,6 +187,23 @@ pub enum Transmit {
     /// slot): register it, remotely writable, and report it with
     /// [`Connection::region_registered`]; the grant goes then.
     RegisterRegion,
+    /// The peer keeps half our ring's posted slots consumed: register the
+    /// rest of the ring and report it with [`Connection::ring_registered`]
+    /// (its receives are posted then, and go to the peer as credits), or
+    /// [`Connection::ring_not_registered`] (the ring stays as it is).
+    RegisterRing,
+}
+
+/// Our receive ring, as it grows with the peer's traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RingGrowth {
+    /// Only the first slots are registered and posted.
+    Initial,
+    /// The rest is being registered ([`Transmit::RegisterRing`]).
+    Registering,
+    /// Every slot is in use, or the registration failed (the ring stays
+    /// at its first slots, and is not registered again).
+    Done,
 }
 
 /// The peer's region, as its writer (we) knows it. It exists only once
@@ -455,12 +472,17 @@ pub enum Lifecycle {
 pub struct Config {
     /// Our receive ring's slots.
     pub ring_slots: u32,
+    /// Of those, posted at first (4..=`ring_slots`; the rest once the
+    /// peer's traffic fills half of them).
+    pub initial_ring_slots: u32,
     /// Our receive slots' size.
     pub slot_size: usize,
     /// Our region's length.
     pub region_len: u64,
     /// The peer's ring slots.
     pub peer_ring_slots: u32,
+    /// Of those, posted at first: our first credits.
+    pub peer_initial_ring_slots: u32,
     /// The peer's region's length.
     pub peer_region_len: u64,
     /// Largest frame sent inline (at most the peer's slot minus the header).
@@ -564,6 +586,7 @@ pub struct Connection {
     ring_slots: u32,
     slot_size: usize,
     ring: RecvRing,
+    ring_growth: RingGrowth,
     own_region: OwnRegion,
     reader: RegionReader,
     reassembly: Reassembly,
@@ -598,12 +621,12 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// A connection whose ring is all posted (the verbs layer posted every
-    /// slot before connecting) and whose peer's is all free.
+    /// A connection whose ring's first slots are posted (the verbs layer
+    /// posted them before connecting) and whose peer's are all free.
     pub fn new(cfg: Config) -> Connection {
         let peer = cfg.peer_ring_slots;
         Connection {
-            credits: CreditWindow::new(peer),
+            credits: CreditWindow::new(cfg.peer_initial_ring_slots, peer),
             writer: RegionWriter::new(cfg.peer_region_len),
             queue: VecDeque::new(),
             free_send: (0..peer).rev().collect(),
@@ -615,13 +638,18 @@ impl Connection {
             data_slots: peer,
             region_sent_to: 0,
             peer_region: PeerRegion::Unasked,
-            // Every receive slot is posted before connecting.
+            // The first receive slots are posted before connecting.
             posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
-                .map(|i| i < cfg.ring_slots)
+                .map(|i| i < cfg.initial_ring_slots)
                 .collect(),
             ring_slots: cfg.ring_slots,
             slot_size: cfg.slot_size,
-            ring: RecvRing::new(cfg.ring_slots),
+            ring: RecvRing::new(cfg.initial_ring_slots, cfg.ring_slots),
+            ring_growth: if cfg.initial_ring_slots < cfg.ring_slots {
+                RingGrowth::Initial
+            } else {
+                RingGrowth::Done
+            },
             own_region: OwnRegion::Unasked,
             reader: RegionReader::new(cfg.region_len),
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
@@ -1450,6 +1478,10 @@ impl Connection {
         }
         let header = Header::decode(peek, byte_len)?;
         self.ring.on_arrival()?;
+        if self.ring_growth == RingGrowth::Initial && self.ring.wants_growth() {
+            self.ring_growth = RingGrowth::Registering;
+            self.transmit.push_back(Transmit::RegisterRing);
+        }
         self.credits.grant(header.credits)?;
         if header.freed_to > self.region_sent_to {
             return Err(ProtocolError::new(format!(
@@ -1835,6 +1867,38 @@ impl Connection {
         self.own_region = OwnRegion::ToGrant { addr, rkey };
     }
 
+    /// The rest of our ring is registered ([`Transmit::RegisterRing`]): its
+    /// receives are posted, and go to the peer as credits.
+    pub fn ring_registered(&mut self) {
+        assert_eq!(
+            self.ring_growth,
+            RingGrowth::Registering,
+            "a ring registered that the protocol did not ask for"
+        );
+        self.ring_growth = RingGrowth::Done;
+        for slot in self.ring.grow() {
+            self.posted[slot as usize] = true;
+            self.transmit.push_back(Transmit::Recv { slot });
+        }
+    }
+
+    /// The rest of our ring could not be registered (the locked-memory
+    /// limit, say): the connection goes on with the slots it has.
+    pub fn ring_not_registered(&mut self) {
+        self.ring_growth = RingGrowth::Done;
+    }
+
+    /// Receive slots in use (posted or consumed): the first ones until the
+    /// peer's traffic needed the whole ring.
+    pub fn ring_slots_in_use(&self) -> u32 {
+        self.ring.slots()
+    }
+
+    /// Receive slots added by growth that the peer has not been told of.
+    pub fn ring_slots_unreported(&self) -> u32 {
+        self.ring.fresh()
+    }
+
     /// Both regions granted from the start, for tests of what follows.
     #[cfg(test)]
     pub(crate) fn regions_granted(mut self) -> Connection {
@@ -2212,6 +2276,92 @@ mod tests {
             .collect()
     }
 
+    /// A ring posts its first slots only, and the rest once the peer keeps
+    /// half of those consumed: registered first, then posted, then
+    /// returned to the peer as credits at once (it may be waiting for them).
+    #[test]
+    fn the_ring_grows_when_the_peer_fills_half_its_first_slots() {
+        let mut conn = Connection::new(Config {
+            initial_ring_slots: 4,
+            ..connection_config()
+        });
+        assert_eq!(conn.ring_slots_in_use(), 4);
+        // Only the first four are posted: a completion in the fifth is
+        // a broken verbs layer.
+        let mut other = Connection::new(Config {
+            initial_ring_slots: 4,
+            ..connection_config()
+        });
+        complete(&mut other, WorkKind::Recv.wr_id(4), &credit_message(0));
+        assert!(other.failure().unwrap().contains("not posted"));
+
+        let inline = |call: u8| {
+            let mut h = Header::new(Kind::Inline);
+            h.len = 12;
+            let mut m = vec![0; HEADER_LEN + 12];
+            h.encode((&mut m[..HEADER_LEN]).try_into().unwrap());
+            m[HEADER_LEN + 4] = call;
+            m
+        };
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &inline(1));
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert!(!posted.contains(&Transmit::RegisterRing), "{posted:?}");
+        complete(&mut conn, WorkKind::Recv.wr_id(1), &inline(2));
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert_eq!(
+            posted
+                .iter()
+                .filter(|t| **t == Transmit::RegisterRing)
+                .count(),
+            1,
+            "{posted:?}"
+        );
+        assert!(!posted.iter().any(|t| matches!(t, Transmit::Recv { .. })));
+        conn.ring_registered();
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        let reposted: Vec<_> = posted
+            .iter()
+            .filter_map(|t| match t {
+                Transmit::Recv { slot } => Some(*slot),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reposted, (4..RING_SLOTS).collect::<Vec<_>>());
+        let credits: Vec<_> = posted
+            .iter()
+            .filter_map(|t| match t {
+                Transmit::Send {
+                    kind: WorkKind::Control,
+                    header,
+                    ..
+                } if header.kind == Kind::Credit => Some(header.credits),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(credits, [RING_SLOTS as u16 - 4], "the new slots, at once");
+        assert_eq!(conn.ring_slots_in_use(), RING_SLOTS);
+        // A message in a new slot is taken as any other.
+        complete(&mut conn, WorkKind::Recv.wr_id(RING_SLOTS - 1), &inline(3));
+        assert_eq!(conn.failure(), None);
+
+        // A ring that could not grow goes on with its first slots, and
+        // does not ask again.
+        let mut conn = Connection::new(Config {
+            initial_ring_slots: 4,
+            ..connection_config()
+        });
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &inline(1));
+        complete(&mut conn, WorkKind::Recv.wr_id(1), &inline(2));
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert!(posted.contains(&Transmit::RegisterRing));
+        conn.ring_not_registered();
+        complete(&mut conn, WorkKind::Recv.wr_id(2), &inline(3));
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert!(!posted.contains(&Transmit::RegisterRing), "{posted:?}");
+        assert_eq!(conn.ring_slots_in_use(), 4);
+        assert_eq!(conn.failure(), None);
+    }
+
     /// No region exists until a frame needs it: the first frame too large
     /// for a slot asks for the peer's (once, however many wait), the peer
     /// registers its region only then and grants it, and the frames go.
@@ -2392,9 +2542,11 @@ mod tests {
     fn connection_config() -> Config {
         Config {
             ring_slots: RING_SLOTS,
+            initial_ring_slots: RING_SLOTS,
             slot_size: 96,
             region_len: 256,
             peer_ring_slots: SLOTS,
+            peer_initial_ring_slots: SLOTS,
             peer_region_len: 256,
             inline_max: 96 - HEADER_LEN,
             max_frame_len: 1000,

@@ -14,10 +14,13 @@ pub struct CreditWindow {
 }
 
 impl CreditWindow {
-    /// Starts with `slots` credits: the peer's whole ring is posted.
-    pub fn new(slots: u32) -> CreditWindow {
+    /// Starts with `initial` credits (the slots the peer posted at first)
+    /// of a ring of `slots`: the peer posts the rest as our traffic needs
+    /// them, and returns them as credits then.
+    pub fn new(initial: u32, slots: u32) -> CreditWindow {
+        debug_assert!(initial <= slots);
         CreditWindow {
-            credits: slots,
+            credits: initial,
             limit: slots,
         }
     }
@@ -83,12 +86,23 @@ pub enum Delivery {
 
 /// The receiver's view of its ring of posted receive slots.
 ///
-/// Each slot is: posted (free for the peer), or *outstanding*: consumed by
-/// a message and not yet returned to the peer as a credit (being handled,
-/// held by the application, or reposted and waiting to be reported).
+/// Each slot in use is: posted (free for the peer), or *outstanding*:
+/// consumed by a message and not yet returned to the peer as a credit
+/// (being handled, held by the application, or reposted and waiting to be
+/// reported).
+///
+/// The ring starts with a few slots in use (what an idle connection pins)
+/// and grows to all of them once the peer's traffic fills half of those
+/// ([`wants_growth`](Self::wants_growth), [`grow`](Self::grow)): the new
+/// slots go to the peer as credits it never had.
 #[derive(Debug, Clone)]
 pub struct RecvRing {
+    /// Slots in use: the peer's window.
     slots: u32,
+    /// The whole ring.
+    max_slots: u32,
+    /// Slots added by [`grow`](Self::grow), posted and not yet reported.
+    fresh: u32,
     /// Slots consumed and not yet returned as credits.
     outstanding: u32,
     /// Of those, held by the application (zero-copy frames).
@@ -98,15 +112,46 @@ pub struct RecvRing {
 }
 
 impl RecvRing {
-    /// A ring of `slots` posted slots (at least 8).
-    pub fn new(slots: u32) -> RecvRing {
-        assert!(slots >= 8, "a receive ring needs at least 8 slots");
+    /// A ring of `max_slots` slots of which the first `slots` (at least
+    /// 4) are posted.
+    pub fn new(slots: u32, max_slots: u32) -> RecvRing {
+        assert!(
+            (4..=max_slots).contains(&slots),
+            "a receive ring starts with 4 to all of its {max_slots} slots, not {slots}"
+        );
         RecvRing {
             slots,
+            max_slots,
+            fresh: 0,
             outstanding: 0,
             held: 0,
             pending: 0,
         }
+    }
+
+    /// Slots in use (posted or outstanding).
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Whether to grow the ring to all its slots: the peer has half of
+    /// those in use consumed (it sends faster than one call at a time).
+    pub fn wants_growth(&self) -> bool {
+        self.slots < self.max_slots && self.outstanding >= self.slots / 2
+    }
+
+    /// Takes every slot into use; returns the new ones, to post. They go
+    /// to the peer as credits with the next message.
+    pub fn grow(&mut self) -> std::ops::Range<u32> {
+        let new = self.slots..self.max_slots;
+        self.fresh += new.len() as u32;
+        self.slots = self.max_slots;
+        new
+    }
+
+    /// Slots added by [`grow`](Self::grow) and not yet reported.
+    pub fn fresh(&self) -> u32 {
+        self.fresh
     }
 
     /// Slots held by the application.
@@ -159,23 +204,28 @@ impl RecvRing {
     /// Takes the credits to return with the next message (piggybacked or
     /// a `Credit` message).
     pub fn take_credits(&mut self) -> u16 {
-        let n = self.pending.min(u32::from(u16::MAX));
-        self.pending -= n;
-        self.outstanding -= n;
-        n as u16
+        let reposted = self.pending.min(u32::from(u16::MAX));
+        self.pending -= reposted;
+        self.outstanding -= reposted;
+        let fresh = self.fresh.min(u32::from(u16::MAX) - reposted);
+        self.fresh -= fresh;
+        (reposted + fresh) as u16
     }
 
-    /// Credits reposted and not yet reported.
+    /// Credits reposted or added by growth, and not yet reported.
     pub fn pending(&self) -> u32 {
-        self.pending
+        self.pending + self.fresh
     }
 
     /// Whether to send a `Credit` message now, with no data to carry the
-    /// credits: when the peer may be running low (a quarter of the ring
-    /// or less left to it) or half the ring waits to be reported.
+    /// credits: when the ring just grew (the peer is likely waiting for
+    /// credits), the peer may be running low (a quarter of the slots in
+    /// use or less left to it) or half of them wait to be reported.
     pub fn wants_credit_message(&self) -> bool {
-        self.pending > 0
-            && (self.slots - self.outstanding <= self.slots / 4 || self.pending >= self.slots / 2)
+        self.fresh > 0
+            || self.pending > 0
+                && (self.slots - self.outstanding <= self.slots / 4
+                    || self.pending >= self.slots / 2)
     }
 }
 
@@ -185,7 +235,7 @@ mod tests {
 
     #[test]
     fn data_keeps_one_credit_for_control() {
-        let mut w = CreditWindow::new(8);
+        let mut w = CreditWindow::new(8, 8);
         for _ in 0..7 {
             assert!(w.take_data());
         }
@@ -198,7 +248,7 @@ mod tests {
 
     #[test]
     fn ring_overrun_is_a_protocol_error() {
-        let mut r = RecvRing::new(8);
+        let mut r = RecvRing::new(8, 8);
         for _ in 0..8 {
             r.on_arrival().unwrap();
         }
@@ -207,7 +257,7 @@ mod tests {
 
     #[test]
     fn copies_once_half_is_held() {
-        let mut r = RecvRing::new(8);
+        let mut r = RecvRing::new(8, 8);
         for _ in 0..4 {
             r.on_arrival().unwrap();
             assert_eq!(r.deliver(), Delivery::ZeroCopy);
@@ -224,7 +274,7 @@ mod tests {
 
     #[test]
     fn credit_message_when_peer_runs_low() {
-        let mut r = RecvRing::new(16);
+        let mut r = RecvRing::new(16, 16);
         for _ in 0..11 {
             r.on_arrival().unwrap();
             r.on_reposted();
@@ -238,5 +288,61 @@ mod tests {
         }
         r.on_reposted();
         assert!(r.wants_credit_message(), "4 left to the peer");
+    }
+
+    #[test]
+    fn a_ring_grows_once_the_peer_fills_half_its_first_slots() {
+        let mut r = RecvRing::new(8, 64);
+        let mut w = CreditWindow::new(8, 64);
+        // One call at a time: a slot is consumed and returned.
+        for _ in 0..20 {
+            assert!(w.take_data());
+            r.on_arrival().unwrap();
+            assert!(!r.wants_growth());
+            r.on_reposted();
+            w.grant(r.take_credits()).unwrap();
+        }
+        assert_eq!(w.available(), 8);
+        // Four at once: half of the first slots.
+        for _ in 0..4 {
+            assert!(w.take_data());
+            r.on_arrival().unwrap();
+        }
+        assert!(r.wants_growth());
+        assert_eq!(r.grow(), 8..64);
+        assert!(!r.wants_growth());
+        assert_eq!(r.slots(), 64);
+        assert!(r.wants_credit_message(), "the new slots go at once");
+        assert_eq!(r.pending(), 56);
+        w.grant(r.take_credits()).unwrap();
+        assert_eq!(w.available(), 60, "4 still in flight");
+        assert!(!r.wants_credit_message());
+        // The four come back as any other.
+        for _ in 0..4 {
+            r.on_reposted();
+        }
+        w.grant(r.take_credits()).unwrap();
+        assert_eq!(w.available(), 64);
+        assert_eq!(r.outstanding(), 0);
+        assert!(w.grant(1).is_err(), "over the whole ring");
+    }
+
+    #[test]
+    fn a_grown_ring_is_overrun_only_past_all_its_slots() {
+        let mut r = RecvRing::new(4, 8);
+        for _ in 0..4 {
+            r.on_arrival().unwrap();
+        }
+        assert!(r.on_arrival().is_err(), "the peer had 4 credits");
+        let mut r = RecvRing::new(4, 8);
+        for _ in 0..2 {
+            r.on_arrival().unwrap();
+        }
+        let _ = r.grow();
+        assert_eq!(r.take_credits(), 4);
+        for _ in 0..6 {
+            r.on_arrival().unwrap();
+        }
+        assert!(r.on_arrival().is_err());
     }
 }

@@ -5,7 +5,7 @@ use super::{ProtocolError, HEADER_LEN};
 /// First bytes of every [`Hello`]: `"RRPC"`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
 /// Set in a hello's flags when its side reads rendezvous transfers
@@ -13,7 +13,8 @@ pub const HELLO_LEN: usize = 32;
 pub const FLAG_READS_RENDEZVOUS: u16 = 2;
 
 /// One side's receive geometry: how many receive slots of what size it
-/// keeps posted (the peer's credits), and how large a region the peer may
+/// has, how many of them it posts at first (the peer's first credits; it
+/// posts the rest once the peer's traffic needs them), and how large a region the peer may
 /// RDMA WRITE into once it asked for it (`RegionWanted`; the region's
 /// address and key come in the answer, so none is registered, and none
 /// goes on the wire, for a connection that never needs one).
@@ -21,12 +22,16 @@ pub const FLAG_READS_RENDEZVOUS: u16 = 2;
 /// Layout (little-endian): `magic: u32, version: u16, flags: u16
 /// ([`FLAG_READS_RENDEZVOUS`], and [`auth::FLAG_PROOF`](super::auth::FLAG_PROOF)
 /// when a proof follows),
-/// ring_slots: u32, slot_size: u32, reserved: [u8; 12] (zero),
-/// region_len: u32`.
+/// ring_slots: u32, slot_size: u32, initial_slots: u32, reserved: [u8; 8]
+/// (zero), region_len: u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
-    /// Receive slots kept posted: the peer starts with this many credits.
+    /// Receive slots, at most: the ring grows to this many.
     pub ring_slots: u32,
+    /// Receive slots posted at first (4..=`ring_slots`): the peer starts
+    /// with this many credits. The rest come as credits the peer never
+    /// had once it keeps half of these consumed.
+    pub initial_slots: u32,
     /// Bytes per receive slot, header included.
     pub slot_size: u32,
     /// The length in bytes of the large-payload region it grants when
@@ -64,6 +69,7 @@ impl Hello {
         b[6..8].copy_from_slice(&flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.ring_slots.to_le_bytes());
         b[12..16].copy_from_slice(&self.slot_size.to_le_bytes());
+        b[16..20].copy_from_slice(&self.initial_slots.to_le_bytes());
         b[28..32].copy_from_slice(&self.region_len.to_le_bytes());
         b
     }
@@ -90,12 +96,13 @@ impl Hello {
                 "peer speaks protocol version {version}, this side {VERSION}"
             )));
         }
-        if b[16..28].iter().any(|&byte| byte != 0) {
+        if b[20..28].iter().any(|&byte| byte != 0) {
             return Err(ProtocolError::new("peer's hello has reserved bytes set"));
         }
         let hello = Hello {
             ring_slots: u32_at(8),
             slot_size: u32_at(12),
+            initial_slots: u32_at(16),
             region_len: u32_at(28),
             reads_rendezvous: u16::from_le_bytes([b[6], b[7]]) & FLAG_READS_RENDEZVOUS != 0,
         };
@@ -103,6 +110,12 @@ impl Hello {
             return Err(ProtocolError::new(format!(
                 "peer announces {} receive slots (accepted: 8..={})",
                 hello.ring_slots, limits.max_ring_slots
+            )));
+        }
+        if !(4..=hello.ring_slots).contains(&hello.initial_slots) {
+            return Err(ProtocolError::new(format!(
+                "peer posts {} of its {} receive slots at first (accepted: 4..={})",
+                hello.initial_slots, hello.ring_slots, hello.ring_slots
             )));
         }
         if !(HEADER_LEN as u32 + 64..=limits.max_slot_size).contains(&hello.slot_size) {
@@ -137,6 +150,7 @@ mod tests {
         Hello {
             ring_slots: 64,
             slot_size: 8192,
+            initial_slots: 8,
             region_len: 1 << 20,
             reads_rendezvous: false,
         }
@@ -173,7 +187,7 @@ mod tests {
         b[0] ^= 1;
         assert!(Hello::decode(&b, &LIMITS).is_err());
         let mut b = hello().to_bytes();
-        b[4] = 3; // version 3 (the region in the hello)
+        b[4] = 4; // version 4 (the whole ring posted at first)
         assert!(Hello::decode(&b, &LIMITS).is_err());
         for bad in [
             Hello {
@@ -182,6 +196,14 @@ mod tests {
             },
             Hello {
                 ring_slots: 5000,
+                ..hello()
+            },
+            Hello {
+                initial_slots: 3,
+                ..hello()
+            },
+            Hello {
+                initial_slots: 65,
                 ..hello()
             },
             Hello {
@@ -204,7 +226,7 @@ mod tests {
             assert!(Hello::decode(&bad.to_bytes(), &LIMITS).is_err(), "{bad:?}");
         }
         let mut b = hello().to_bytes();
-        b[20] = 1; // reserved
+        b[24] = 1; // reserved
         assert!(Hello::decode(&b, &LIMITS).is_err());
     }
 }

@@ -161,6 +161,7 @@ mod tests {
         assert_eq!(Refused::decode(&other), None);
         let hello = Hello {
             ring_slots: 8,
+            initial_slots: 8,
             slot_size: 4096,
             region_len: 4096,
             reads_rendezvous: false,

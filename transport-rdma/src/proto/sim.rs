@@ -111,6 +111,9 @@ struct Side {
     region: Vec<u8>,
     /// The region was registered (the peer asked for it): writable.
     region_registered: bool,
+    /// The rest of the ring registers when the protocol asks (else the
+    /// registration fails, and the ring stays at its first slots).
+    ring_registers: bool,
     occupied: Vec<bool>,
     writes: VecDeque<(u64, usize, usize)>,
     /// Send slots and staging, as the sender encodes into them.
@@ -140,16 +143,20 @@ const POOL: u64 = 2 * POOL_GRANULE;
 
 impl Side {
     fn new() -> Side {
-        Side::with_rendezvous(None)
+        Side::with(None, SLOTS, SLOTS)
     }
 
-    fn with_rendezvous(threshold: Option<usize>) -> Side {
+    /// A side whose ring posts `initial` slots at first, the peer's
+    /// `peer_initial`.
+    fn with(threshold: Option<usize>, initial: u32, peer_initial: u32) -> Side {
         Side {
             conn: Connection::new(Config {
                 ring_slots: SLOTS,
+                initial_ring_slots: initial,
                 slot_size: SLOT_SIZE,
                 region_len: REGION as u64,
                 peer_ring_slots: SLOTS,
+                peer_initial_ring_slots: peer_initial,
                 peer_region_len: REGION as u64,
                 inline_max: INLINE_MAX,
                 max_frame_len: MAX_FRAME,
@@ -168,9 +175,10 @@ impl Side {
                 },
             }),
             slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
-            posted: (0..SLOTS).collect(),
+            posted: (0..initial).collect(),
             region: vec![0; REGION],
             region_registered: false,
+            ring_registers: true,
             occupied: vec![false; REGION],
             writes: VecDeque::new(),
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
@@ -386,6 +394,14 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 me.region_registered = true;
                 me.conn.region_registered(0, 0);
             }
+            Transmit::RegisterRing => {
+                if me.ring_registers {
+                    RINGS_GROWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    me.conn.ring_registered();
+                } else {
+                    me.conn.ring_not_registered();
+                }
+            }
             Transmit::Release { transfer } => {
                 let rkeys = me
                     .transfers
@@ -542,7 +558,8 @@ fn pick_len(rng: &mut XorShift) -> usize {
 }
 
 /// Credit conservation (credits returned travel on the other direction's
-/// wire), and: posted slots cover every credit and message in flight.
+/// wire; new slots of a grown ring count once reported), and: posted
+/// slots cover every credit and message in flight.
 fn check(a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>) {
     let carried = |w: &VecDeque<Msg>| w.iter().map(|m| u32::from(m.header().credits)).sum::<u32>();
     // Receives completed but not yet polled hold a slot, and the credits
@@ -562,8 +579,9 @@ fn check(a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>) {
             + unpolled(b)
             + b.conn.ring_outstanding()
             + carried(to_a)
-            + ungranted(a),
-        SLOTS
+            + ungranted(a)
+            + b.conn.ring_slots_unreported(),
+        b.conn.ring_slots_in_use()
     );
     assert_eq!(
         b.conn.credits_available()
@@ -571,8 +589,9 @@ fn check(a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>) {
             + unpolled(a)
             + a.conn.ring_outstanding()
             + carried(to_b)
-            + ungranted(b),
-        SLOTS
+            + ungranted(b)
+            + a.conn.ring_slots_unreported(),
+        a.conn.ring_slots_in_use()
     );
     assert!(b.posted.len() as u32 >= a.conn.credits_available() + to_b.len() as u32);
     assert!(a.posted.len() as u32 >= b.conn.credits_available() + to_a.len() as u32);
@@ -585,8 +604,14 @@ fn run(seed: u64, steps: usize) {
         1 => Some(INLINE_MAX + 1),
         _ => Some(REGION / 2 + 10),
     };
-    let mut a = Side::with_rendezvous(rendezvous);
-    let mut b = Side::with_rendezvous(rendezvous);
+    // Rings that start with half their slots (and grow, or fail to) or
+    // with all of them.
+    let initial_a = if rng.below(2) == 0 { SLOTS / 2 } else { SLOTS };
+    let initial_b = if rng.below(2) == 0 { SLOTS / 2 } else { SLOTS };
+    let mut a = Side::with(rendezvous, initial_a, initial_b);
+    let mut b = Side::with(rendezvous, initial_b, initial_a);
+    a.ring_registers = rng.below(4) != 0;
+    b.ring_registers = rng.below(4) != 0;
     // Messages on the wire towards b and towards a.
     let mut to_b: VecDeque<Msg> = VecDeque::new();
     let mut to_a: VecDeque<Msg> = VecDeque::new();
@@ -716,6 +741,13 @@ fn run(seed: u64, steps: usize) {
         }
         for side in [&mut a, &mut b] {
             while let Some((wr_id, byte_len, header)) = side.completions.pop_front() {
+                // A credit may still go after a close: its send slot is
+                // free again once completed.
+                if let Some((WorkKind::Send | WorkKind::Control | WorkKind::Heap, slot)) =
+                    WorkKind::from_wr_id(wr_id)
+                {
+                    side.sending[slot as usize] = false;
+                }
                 side.conn.handle_completion(Completion {
                     wr_id,
                     failure: None,
@@ -744,6 +776,8 @@ fn run(seed: u64, steps: usize) {
 }
 
 static RENDEZVOUS_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Rings that grew while traffic ran.
+static RINGS_GROWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Runs without the rendezvous where a frame was delivered before one
 /// sent earlier (a small frame passing a chunked one).
 static PASSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -753,9 +787,10 @@ fn randomized_two_endpoints() {
     for seed in 1..=300u64 {
         run(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 2000);
     }
-    // The rendezvous runs were not vacuous, and small frames passed
-    // chunked ones in the others.
+    // The rendezvous runs were not vacuous, rings grew, and small frames
+    // passed chunked ones in the others.
     assert!(RENDEZVOUS_READS.load(std::sync::atomic::Ordering::Relaxed) > 1000);
+    assert!(RINGS_GROWN.load(std::sync::atomic::Ordering::Relaxed) > 50);
     assert!(PASSED.load(std::sync::atomic::Ordering::Relaxed) > 10);
 }
 

@@ -111,12 +111,18 @@ impl TestEnv {
 pub const PINNED_PER_END: u64 = pinned_per_end(64, 8192, 1 << 20);
 
 /// [`PINNED_PER_END`] while only frames that go inline went (up to 256
-/// bytes with their header): the receive ring alone.
-pub const IDLE_PER_END: u64 = pages(64 * 8192);
+/// bytes with their header), a few at a time: the receive ring's first 8
+/// slots alone.
+pub const IDLE_PER_END: u64 = pages(8 * 8192);
 
 /// [`PINNED_PER_END`] once frames too long to go inline went, but none too
-/// large for a slot: the receive ring and the send slots.
-pub const SMALL_FRAMES_PER_END: u64 = pages(64 * 8192) + pages((64 + 8) * 8192);
+/// large for a slot, a few at a time: the ring's first slots and the send
+/// slots.
+pub const SMALL_FRAMES_PER_END: u64 = IDLE_PER_END + pages((64 + 8) * 8192);
+
+/// The rest of the default ring (56 × 8 KiB), registered once the peer
+/// keeps half the first slots consumed.
+pub const RING_REST_PER_END: u64 = pages(56 * 8192);
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
 pub fn pinned_bytes() -> u64 {
@@ -141,7 +147,9 @@ pub fn pinned_bytes() -> u64 {
 /// own), each rounded up to whole pages (what registration pins; see
 /// `transport_rdma::verbs::registered_bytes`).
 pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    pages(ring_slots * slot_size) + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
+    // The ring in two registrations: its first 8 slots, and the rest.
+    let ring = pages(8 * slot_size) + pages((ring_slots - 8) * slot_size);
+    ring + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
 }
 
 const fn pages(bytes: u64) -> u64 {
