@@ -74,8 +74,8 @@ fn credits(c: &mut Criterion) {
     let mut group = c.benchmark_group("rdma_credit");
     group.throughput(Throughput::Elements(1));
     group.bench_function("message", |b| {
-        let mut window = CreditWindow::new(SLOTS);
-        let mut ring = RecvRing::new(SLOTS);
+        let mut window = CreditWindow::new(SLOTS, SLOTS);
+        let mut ring = RecvRing::new(SLOTS, SLOTS);
         b.iter(|| {
             assert!(window.take_data());
             ring.on_arrival().expect("a credit was taken");
@@ -97,8 +97,10 @@ fn credits(c: &mut Criterion) {
     let burst = SLOTS - 1;
     group.throughput(Throughput::Elements(u64::from(burst)));
     group.bench_with_input(BenchmarkId::new("burst", burst), &burst, |b, &burst| {
-        let (mut a_window, mut a_ring) = (CreditWindow::new(SLOTS), RecvRing::new(SLOTS));
-        let (mut b_window, mut b_ring) = (CreditWindow::new(SLOTS), RecvRing::new(SLOTS));
+        let (mut a_window, mut a_ring) =
+            (CreditWindow::new(SLOTS, SLOTS), RecvRing::new(SLOTS, SLOTS));
+        let (mut b_window, mut b_ring) =
+            (CreditWindow::new(SLOTS, SLOTS), RecvRing::new(SLOTS, SLOTS));
         b.iter(|| {
             for _ in 0..burst {
                 assert!(a_window.take_data());

@@ -143,12 +143,12 @@ impl RdmaSink {
         let mut st = shared.lock();
         let stream = call.is_none();
         if let Some((slot, at)) = stream.then(|| st.proto.append_inline(len)).flatten() {
-            let start = mem.send_slot(slot).start + HEADER_LEN + at;
+            let start = HEADER_LEN + at;
             // SAFETY: the slot holds a frame queued and not posted (the
             // protocol appends only to such a one), so no work request
             // reads it and nothing else writes it while we hold the lock;
             // `at + len` fits the slot after the header (at most inline_max).
-            let mut dst = unsafe { mem.send.slice_mut(start..start + len) };
+            let mut dst = unsafe { mem.send_slice_mut(slot, start..start + len) };
             // A panic here would send the slot's stale bytes: only the
             // stream's plain copies use this path, and they do not panic.
             encode(&mut dst);
@@ -167,11 +167,10 @@ impl RdmaSink {
         };
         let in_place = match st.proto.encode_into(&reservation) {
             EncodeInto::SendSlot { slot } => {
-                let start = mem.send_slot(slot).start + HEADER_LEN;
                 // SAFETY: the slot was free: no posted send and no other
-                // slice covers it; it is inside the send region (len fits a
-                // slot after the header: len <= inline_max).
-                Some(unsafe { mem.send.slice_mut(start..start + len) })
+                // slice covers it; len fits a slot after the header
+                // (len <= inline_max).
+                Some(unsafe { mem.send_slice_mut(slot, HEADER_LEN..HEADER_LEN + len) })
             }
             EncodeInto::Staging { offset } => {
                 let staging = match mem.staging() {
@@ -227,12 +226,11 @@ impl RdmaSink {
                 st.wake();
                 return Poll::Ready(Err(refusal_error(refusal)));
             }
-            let start = mem.send_slot(slot).start + HEADER_LEN;
             // SAFETY: the announcement's send slot is this reservation's
             // until its SEND completes, and it is posted only by the
             // flush below; the body fits the slot (at most `room` bytes,
             // what the peer's slot holds after the header).
-            let body = unsafe { mem.send.slice_mut(start..start + body_len) };
+            let body = unsafe { mem.send_slice_mut(slot, HEADER_LEN..HEADER_LEN + body_len) };
             out.encode_announcement(body);
             st.out_transfers.insert(transfer, out);
         } else {

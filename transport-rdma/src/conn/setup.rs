@@ -27,8 +27,8 @@ use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
-use super::ring::RingMemory;
-use super::state::{Buffers, Shared, State};
+use super::slots::SlotMemory;
+use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
 use crate::proto::auth::{self, Challenge, Proven};
 use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
@@ -49,7 +49,7 @@ use crate::RdmaTransport;
 struct Wired {
     /// Declared first: destroyed first.
     qp: QueuePair,
-    ring: RingMemory,
+    ring: SlotMemory,
 }
 
 /// What a connection set-up produced, before its driver starts (all `Send`).
@@ -57,7 +57,7 @@ struct Wired {
 /// ([`Wired`]), then the memory only the local side uses.
 pub(crate) struct Established {
     wired: Wired,
-    send: MemoryRegion,
+    send: SlotMemory,
     pd: ProtectionDomain,
     cq: CompletionQueue,
     cc: CompletionChannel,
@@ -110,12 +110,14 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     )?;
     let own = cfg.hello();
     // The first slots now, the rest when the peer's traffic needs them.
-    let ring = RingMemory::new(
-        &pd,
-        own.ring_slots,
+    let slot = own.slot_size as usize;
+    let ring = SlotMemory::new(
+        MemoryRegion::new(&pd, own.initial_slots as usize * slot, Access::LOCAL_WRITE)?,
+        None,
         own.initial_slots,
-        own.slot_size as usize,
-    )?;
+        own.ring_slots,
+        slot,
+    );
     // Receives are posted only once the QP and the ring are in one `Wired`:
     // if a post fails, dropping `half` destroys the QP before the ring.
     let mut half = Half {
@@ -162,11 +164,20 @@ fn finish(
     lease: Option<Lease>,
     authenticated: bool,
 ) -> Established {
-    // Registered with the first SEND too long to go inline.
-    let send = MemoryRegion::unregistered(
-        &half.pd,
-        (peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) as usize * peer.slot_size as usize,
-        Access::LOCAL_WRITE,
+    // The first data slots with the control and chunk slots, then the
+    // other data slots (see `Buffers::send_slot`); each part registered
+    // with the first SEND from it too long to go inline.
+    let slot = peer.slot_size as usize;
+    let first_slots = FIRST_DATA_SLOTS.min(peer.ring_slots) + CTRL_SLOTS + HEAP_SLOTS;
+    let slots = peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS;
+    let part =
+        |n: u32| MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
+    let send = SlotMemory::new(
+        part(first_slots),
+        (slots > first_slots).then(|| part(slots - first_slots)),
+        first_slots,
+        slots,
+        slot,
     );
     Established {
         wired: half.wired,
@@ -433,14 +444,7 @@ impl Established {
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),
-            mem: DropLater::new(Buffers::new(
-                ring,
-                send,
-                pd,
-                own,
-                peer.slot_size as usize,
-                peer.region_len as usize,
-            )),
+            mem: DropLater::new(Buffers::new(ring, send, pd, own, peer)),
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),

@@ -12,9 +12,10 @@ use std::task::{Context, Waker};
 use rpc_core::transport::TransportError;
 use tokio::sync::Notify;
 
-use super::ring::RingMemory;
+use super::slots::SlotMemory;
 use crate::proto::{
-    self, Completion, ReadReceived, Refusal, Transmit, WorkKind, HEADER_LEN, PEEK_LEN,
+    self, Completion, ReadReceived, Refusal, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN,
+    HEAP_SLOTS, PEEK_LEN,
 };
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
@@ -24,7 +25,7 @@ use crate::verbs::{
 };
 
 pub(super) struct Buffers {
-    pub(super) ring: RingMemory,
+    pub(super) ring: SlotMemory,
     /// The large-payload region the peer RDMA-writes into (local and
     /// remote write): registered when the peer asks for it
     /// ([`Transmit::RegisterRegion`](proto::Transmit::RegisterRegion)),
@@ -32,7 +33,12 @@ pub(super) struct Buffers {
     /// writable memory at all.
     region: OnceLock<MemoryRegion>,
     region_len: usize,
-    pub(super) send: MemoryRegion,
+    /// Send slots, in memory order: data slots `0..FIRST_DATA_SLOTS`, the
+    /// control and chunk slots, then the other data slots
+    /// ([`send_slot`](Self::send_slot)).
+    send: SlotMemory,
+    /// Data send slots (the peer's ring slots).
+    data_slots: u32,
     /// The source of our RDMA WRITEs into the peer's region, as large as
     /// it: registered when the first frame needs it ([`staging`]), so a
     /// connection that never sends a region-sized frame pins none.
@@ -43,8 +49,12 @@ pub(super) struct Buffers {
     /// Rendezvous memory (transfers' segments, destinations), the region
     /// and staging are registered on it.
     pub(super) pd: ProtectionDomain,
-    pub(super) peer_slot_size: usize,
 }
+
+/// Data send slots in the first part of the send slots, with the control
+/// and chunk slots: what a few frames at a time use (the peer's first
+/// credits are 8, one of them kept for control).
+pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 
 // SAFETY: `ring`, `send` and `staging` are only accessed through their
 // `unsafe` `slice`/`slice_mut` or raw copies (the `OnceLock`s publish
@@ -65,22 +75,21 @@ impl Buffers {
     /// and staging (`peer_region_len`, mirroring the peer's region's
     /// offsets) once needed.
     pub(super) fn new(
-        ring: RingMemory,
-        send: MemoryRegion,
+        ring: SlotMemory,
+        send: SlotMemory,
         pd: ProtectionDomain,
         own: proto::Hello,
-        peer_slot_size: usize,
-        peer_region_len: usize,
+        peer: proto::Hello,
     ) -> Buffers {
         Buffers {
             ring,
             region: OnceLock::new(),
             region_len: own.region_len as usize,
             send,
+            data_slots: peer.ring_slots,
             staging: OnceLock::new(),
-            staging_len: peer_region_len,
+            staging_len: peer.region_len as usize,
             pd,
-            peer_slot_size,
         }
     }
 
@@ -106,9 +115,34 @@ impl Buffers {
         })
     }
 
-    pub(super) fn send_slot(&self, slot: u32) -> Range<usize> {
-        let start = slot as usize * self.peer_slot_size;
-        start..start + self.peer_slot_size
+    /// The memory of send slot `slot` (the protocol's numbering: data
+    /// slots, then control and chunk slots) and its bytes in it.
+    pub(super) fn send_slot(&self, slot: u32) -> (&MemoryRegion, Range<usize>) {
+        self.send.slot(self.send_position(slot))
+    }
+
+    /// Bytes `within` of send slot `slot`, mutably borrowed.
+    ///
+    /// # Safety
+    /// As [`MemoryRegion::slice_mut`]: nothing else reads or writes them
+    /// while the slice lives (the slot is not posted).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn send_slice_mut(&self, slot: u32, within: Range<usize>) -> &mut [u8] {
+        // SAFETY: as the caller guarantees.
+        unsafe { self.send.slice_mut(self.send_position(slot), within) }
+    }
+
+    /// Where send slot `slot` lies in memory: the first data slots, the
+    /// control and chunk slots after them, the other data slots last.
+    fn send_position(&self, slot: u32) -> u32 {
+        let first_data = FIRST_DATA_SLOTS.min(self.data_slots);
+        if slot < first_data {
+            slot
+        } else if slot >= self.data_slots {
+            first_data + (slot - self.data_slots)
+        } else {
+            first_data + CTRL_SLOTS + HEAP_SLOTS + (slot - first_data)
+        }
     }
 }
 
@@ -644,25 +678,25 @@ impl State {
                 header,
                 body_len,
             } => {
-                let start = mem.send_slot(slot).start;
                 // SAFETY: the slot is owned by this message (the protocol
                 // gave it out and takes it back at the send's completion):
                 // not posted, no other slice; the header is inside it.
-                let dst = unsafe { mem.send.slice_mut(start..start + HEADER_LEN) };
+                let dst = unsafe { mem.send_slice_mut(slot, 0..HEADER_LEN) };
                 header.encode(dst.try_into().expect("HEADER_LEN bytes"));
+                let (mr, range) = mem.send_slot(slot);
                 if HEADER_LEN + body_len > self.qp.max_inline_data() as usize {
-                    // The send slots are registered with the first SEND
-                    // too long to go inline: a connection of small frames
-                    // pins none.
-                    mem.send.register()?;
+                    // Send slots are registered with the first SEND from
+                    // their part too long to go inline: a connection of
+                    // small frames pins none.
+                    mr.register()?;
                 }
                 // SAFETY: the slot stays untouched until its send completion
                 // frees it; the memory outlives the QP.
                 unsafe {
                     self.qp.queue_send(
                         kind.wr_id(slot),
-                        &mem.send,
-                        start..start + HEADER_LEN + body_len,
+                        mr,
+                        range.start..range.start + HEADER_LEN + body_len,
                     )
                 }
             }

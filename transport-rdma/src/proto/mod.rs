@@ -8,11 +8,13 @@
 //!
 //! - [`Header`]: the fixed header at the start of every SEND;
 //! - [`Hello`]: what the peers exchange in the connection manager's private
-//!   data (protocol version, ring geometry and region length);
+//!   data (protocol version, ring geometry, the slots posted at first, and
+//!   region length);
 //! - [`Refused`]: why a server refused a connection (in its reject's
 //!   private data);
 //! - [`CreditWindow`]: the sender's credits for free receive slots at the peer;
-//! - [`RecvRing`]: the receiver's slot accounting, and when to return credits;
+//! - [`RecvRing`]: the receiver's slot accounting, when to return credits,
+//!   and when to grow from its first slots to all of them;
 //! - [`RegionWriter`] / [`RegionReader`]: the ring allocator over the peer's
 //!   large-payload region (allocation in order, freeing in order) and its
 //!   receiving side, which checks every offset and length;
@@ -24,7 +26,7 @@
 //!   work requests to post and frames to deliver out), which the verbs
 //!   layer drives and the simulation tests.
 //!
-//! # Wire protocol (version 4)
+//! # Wire protocol (version 5)
 //! Every message is one SEND into a receive slot, starting with a 32-byte
 //! [`Header`]. An `Inline` message carries a whole frame after the header.
 //! A `Chunk` message announces `len` bytes the sender has just RDMA-written
@@ -32,7 +34,11 @@
 //! byte stream: offset `pos % region_len`); on an RC queue pair the WRITE is
 //! in place before the SEND's receive completes. Each message also returns
 //! `credits` receive slots and the sender's region `freed_to` position.
-//! `Credit` messages carry only those; `Close` ends the stream. The
+//! `Credit` messages carry only those; `Close` ends the stream. A
+//! receiver posts the first slots its hello names, and the rest of its
+//! ring once the peer keeps half of those consumed: the new slots come as
+//! credits the peer never had (on any message; a `Credit` message goes at
+//! once). The
 //! receiver's region exists once the sender asked for it: `RegionWanted`
 //! before its first `Chunk`, answered by `RegionGranted` (the region's
 //! address and rkey), each at most once per connection and direction.
@@ -40,7 +46,8 @@
 //! receiver RDMA READs them out of the sender's memory): see the
 //! `rendezvous` module's docs, [`Announcement`] and [`RendezvousConfig`].
 //! (Version 2 added them; version 4 the region on request, where version 3
-//! put its address and rkey in the hello; a peer of another version is
+//! put its address and rkey in the hello; version 5 the ring's first slots,
+//! where version 4 posted all of them; a peer of another version is
 //! refused at connect.)
 
 pub mod auth;

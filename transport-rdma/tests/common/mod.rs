@@ -116,12 +116,14 @@ pub const PINNED_PER_END: u64 = pinned_per_end(64, 8192, 1 << 20);
 pub const IDLE_PER_END: u64 = pages(8 * 8192);
 
 /// [`PINNED_PER_END`] once frames too long to go inline went, but none too
-/// large for a slot, a few at a time: the ring's first slots and the send
-/// slots.
-pub const SMALL_FRAMES_PER_END: u64 = IDLE_PER_END + pages((64 + 8) * 8192);
+/// large for a slot, a few at a time: the ring's first slots and the first
+/// part of the send slots (8 data, 4 control and 4 chunk slots).
+pub const SMALL_FRAMES_PER_END: u64 = IDLE_PER_END + pages(16 * 8192);
 
 /// The rest of the default ring (56 × 8 KiB), registered once the peer
-/// keeps half the first slots consumed.
+/// keeps half the first slots consumed; the rest of the send slots are as
+/// large, registered with the first frame too long to go inline sent from
+/// them (many frames at once).
 pub const RING_REST_PER_END: u64 = pages(56 * 8192);
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
@@ -147,9 +149,12 @@ pub fn pinned_bytes() -> u64 {
 /// own), each rounded up to whole pages (what registration pins; see
 /// `transport_rdma::verbs::registered_bytes`).
 pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    // The ring in two registrations: its first 8 slots, and the rest.
-    let ring = pages(8 * slot_size) + pages((ring_slots - 8) * slot_size);
-    ring + pages((ring_slots + 8) * slot_size) + 2 * pages(region_len)
+    // The ring and the send slots in two registrations each: the first 8
+    // slots (for sending, with 8 control and chunk slots), and the rest.
+    let rest = pages((ring_slots - 8) * slot_size);
+    let ring = pages(8 * slot_size) + rest;
+    let send = pages(16 * slot_size) + rest;
+    ring + send + 2 * pages(region_len)
 }
 
 const fn pages(bytes: u64) -> u64 {
