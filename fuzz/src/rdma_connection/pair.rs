@@ -21,6 +21,8 @@ use transport_rdma::proto::{
 };
 
 const SLOTS: u32 = 8;
+/// Receive slots posted at first.
+const INITIAL_SLOTS: u32 = 4;
 const SLOT_SIZE: usize = 96;
 const INLINE_MAX: usize = SLOT_SIZE - HEADER_LEN;
 const REGION: usize = 256;
@@ -166,12 +168,13 @@ impl Side {
         Side {
             conn: Connection::new(Config {
                 ring_slots: SLOTS,
-                // The whole ring at once (the crate's own simulation grows it).
-                initial_ring_slots: SLOTS,
+                // Half the ring at first: it grows once the peer keeps
+                // half of that consumed.
+                initial_ring_slots: INITIAL_SLOTS,
                 slot_size: SLOT_SIZE,
                 region_len: REGION as u64,
                 peer_ring_slots: SLOTS,
-                peer_initial_ring_slots: SLOTS,
+                peer_initial_ring_slots: INITIAL_SLOTS,
                 peer_region_len: REGION as u64,
                 inline_max: INLINE_MAX,
                 max_frame_len: MAX_FRAME,
@@ -181,7 +184,7 @@ impl Side {
                 rendezvous: RendezvousConfig::OFF,
             }),
             slots: vec![vec![0; SLOT_SIZE]; SLOTS as usize],
-            posted: (0..SLOTS).collect(),
+            posted: (0..INITIAL_SLOTS).collect(),
             region: vec![0; REGION],
             region_registered: false,
             occupied: vec![false; REGION],
@@ -306,7 +309,7 @@ fn pump(me: &mut Side) -> usize {
             Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
                 panic!("rendezvous work with the rendezvous off: {t:?}")
             }
-            Transmit::RegisterRing => panic!("the ring grew, though whole from the start"),
+            Transmit::RegisterRing => me.conn.ring_registered(),
             Transmit::RegisterRegion => {
                 assert!(!me.region_registered, "the region registered twice");
                 me.region_registered = true;
@@ -541,8 +544,9 @@ fn check_credits(a: &Side, b: &Side) {
                 + unpolled(peer)
                 + peer.conn.ring_outstanding()
                 + carried(peer)
-                + ungranted(me),
-            SLOTS,
+                + ungranted(me)
+                + peer.conn.ring_slots_unreported(),
+            peer.conn.ring_slots_in_use(),
             "credits towards {name}'s peer not conserved"
         );
         assert!(

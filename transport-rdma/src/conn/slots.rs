@@ -58,9 +58,10 @@ impl SlotMemory {
         Ok(())
     }
 
-    /// How many slots (a receive completion may name any of them).
-    pub(super) fn slots(&self) -> u32 {
-        self.slots
+    /// Whether `slot`'s memory exists (a first slot, or one of the rest
+    /// once they do).
+    pub(super) fn has(&self, slot: u32) -> bool {
+        slot < self.first_slots || (slot < self.slots && self.rest.get().is_some())
     }
 
     pub(super) fn slot_size(&self) -> usize {

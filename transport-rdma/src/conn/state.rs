@@ -118,7 +118,7 @@ impl Buffers {
     /// The memory of send slot `slot` (the protocol's numbering: data
     /// slots, then control and chunk slots) and its bytes in it.
     pub(super) fn send_slot(&self, slot: u32) -> (&MemoryRegion, Range<usize>) {
-        self.send.slot(self.send_position(slot))
+        self.send.slot(send_position(slot, self.data_slots))
     }
 
     /// Bytes `within` of send slot `slot`, mutably borrowed.
@@ -129,20 +129,25 @@ impl Buffers {
     #[allow(clippy::mut_from_ref)]
     pub(super) unsafe fn send_slice_mut(&self, slot: u32, within: Range<usize>) -> &mut [u8] {
         // SAFETY: as the caller guarantees.
-        unsafe { self.send.slice_mut(self.send_position(slot), within) }
-    }
-
-    /// Where send slot `slot` lies in memory: the first data slots, the
-    /// control and chunk slots after them, the other data slots last.
-    fn send_position(&self, slot: u32) -> u32 {
-        let first_data = FIRST_DATA_SLOTS.min(self.data_slots);
-        if slot < first_data {
-            slot
-        } else if slot >= self.data_slots {
-            first_data + (slot - self.data_slots)
-        } else {
-            first_data + CTRL_SLOTS + HEAP_SLOTS + (slot - first_data)
+        unsafe {
+            self.send
+                .slice_mut(send_position(slot, self.data_slots), within)
         }
+    }
+}
+
+/// Where send slot `slot` (the protocol's numbering: `data_slots` data
+/// slots, then the control and chunk slots) lies in memory: the first
+/// data slots, the control and chunk slots after them, the other data
+/// slots last.
+fn send_position(slot: u32, data_slots: u32) -> u32 {
+    let first_data = FIRST_DATA_SLOTS.min(data_slots);
+    if slot < first_data {
+        slot
+    } else if slot >= data_slots {
+        first_data + (slot - data_slots)
+    } else {
+        first_data + CTRL_SLOTS + HEAP_SLOTS + (slot - first_data)
     }
 }
 
@@ -739,7 +744,9 @@ impl State {
         let mut header = [0; PEEK_LEN];
         let mut header_len = 0;
         if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
-            if failure.is_none() && slot < mem.ring.slots() {
+            // A slot with no memory yet was never posted: the protocol
+            // fails the connection for it, with nothing read.
+            if failure.is_none() && mem.ring.has(slot) {
                 header_len = (wc.byte_len as usize)
                     .min(PEEK_LEN)
                     .min(mem.ring.slot_size());
@@ -785,6 +792,32 @@ impl LiveConnection for Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every send slot has a place of its own, the first part holding the
+    /// first data slots and every control and chunk slot.
+    #[test]
+    fn send_slots_lie_first_data_then_control_then_the_other_data() {
+        for data_slots in [8, 9, 64, 256] {
+            let all = data_slots + CTRL_SLOTS + HEAP_SLOTS;
+            let mut places: Vec<u32> = (0..all).map(|s| send_position(s, data_slots)).collect();
+            let first = FIRST_DATA_SLOTS + CTRL_SLOTS + HEAP_SLOTS;
+            for slot in (0..FIRST_DATA_SLOTS).chain(data_slots..all) {
+                assert!(places[slot as usize] < first, "slot {slot} of {data_slots}");
+            }
+            for slot in FIRST_DATA_SLOTS..data_slots {
+                assert!(
+                    places[slot as usize] >= first,
+                    "slot {slot} of {data_slots}"
+                );
+            }
+            places.sort_unstable();
+            assert_eq!(
+                places,
+                (0..all).collect::<Vec<_>>(),
+                "{data_slots} data slots"
+            );
+        }
+    }
 
     struct Fake(u64);
 
