@@ -250,10 +250,10 @@ pub const MEASURED_RENDEZVOUS_THRESHOLD: usize = 128 << 10;
 /// a fifth of the same tensors through the region, 7-21 MB/s: rendezvous
 /// stays off by default).
 /// Receive slots a connection posts at first (64 KiB at the default 8 KiB
-/// slot): enough for calls one at a time and a few in flight. The rest of
-/// the ring is registered and posted once the peer keeps half of these
-/// consumed, and goes to it as credits then (one round trip, once per
-/// connection and direction).
+/// slot): enough for calls one at a time and a few in flight. The ring
+/// doubles (registered, posted, and given to the peer as credits: one
+/// round trip) each time the peer keeps half of its slots in use consumed,
+/// up to [`RdmaTransport::ring`]'s slots.
 const INITIAL_RING_SLOTS: u32 = 8;
 const RENDEZVOUS_READ_CHUNK: usize = 64 << 10;
 /// RDMA READs in flight per connection (the connection manager's
@@ -331,8 +331,9 @@ impl Default for RdmaTransport {
 impl RdmaTransport {
     /// Receive ring: `slots` slots (8..=4096, default 64) of `slot_size`
     /// bytes (header included; 96..=64 KiB, default 8 KiB). Panics outside
-    /// those bounds. The first 8 are registered and posted at set-up, the
-    /// rest once the peer keeps half of those consumed.
+    /// those bounds. The first 8 are registered and posted at set-up, and
+    /// doubled (up to `slots`) each time the peer keeps half of those in
+    /// use consumed.
     pub fn ring(mut self, slots: u32, slot_size: u32) -> RdmaTransport {
         assert!((8..=4096).contains(&slots), "ring slots: 8..=4096");
         assert!(

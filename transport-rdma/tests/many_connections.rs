@@ -12,7 +12,7 @@ use rpc_test_support as support;
 use bytes::Bytes;
 use common::{
     mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, TestEnv,
-    IDLE_PER_END, PINNED_PER_END, RING_REST_PER_END, SMALL_FRAMES_PER_END,
+    GROWN_PER_END, IDLE_PER_END, PINNED_PER_END, SMALL_FRAMES_PER_END,
 };
 use futures::future::join_all;
 use futures::StreamExt;
@@ -123,9 +123,10 @@ async fn memory_is_registered_as_the_frames_need_it() {
     );
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
-    // Of an end, what only many frames at once register: the rest of its
-    // ring and of its send slots, as large.
-    let many_at_once = 2 * RING_REST_PER_END;
+    // Of an end, what only many frames at once register: the growth of
+    // its ring and of its send slots.
+    let fully_grown = GROWN_PER_END[GROWN_PER_END.len() - 1];
+    let many_at_once = 2 * fully_grown;
     let region = PINNED_PER_END - many_at_once - SMALL_FRAMES_PER_END;
 
     echo(&client, 0, 100).await;
@@ -171,25 +172,34 @@ async fn memory_is_registered_as_the_frames_need_it() {
         join_all((0..32).map(|i| echo(&client, 6 + bursts * 32 + i, 100))).await;
         bursts += 1;
     }
-    let rests = |registered: u64| (registered - one_at_a_time) / RING_REST_PER_END;
+    // What growing `parts` rings or send slots by steps (each end's
+    // own) can have registered.
+    let grown_by = |parts: u32| {
+        let mut sums = vec![0];
+        for _ in 0..parts {
+            sums = sums
+                .iter()
+                .flat_map(|s| GROWN_PER_END.iter().map(move |g| s + g))
+                .collect();
+        }
+        sums
+    };
     let grown = registered_bytes();
     assert!(
-        grown > one_at_a_time
-            && (grown - one_at_a_time) % RING_REST_PER_END == 0
-            && rests(grown) <= 2,
+        grown > one_at_a_time && grown_by(2).contains(&(grown - one_at_a_time)),
         "{grown} bytes registered after {bursts} bursts of 32 inline calls: expected one \
-         or both ends' rings grown by {RING_REST_PER_END} bytes"
+         or both ends' rings grown by steps of {GROWN_PER_END:?} bytes"
     );
-    // Calls 64 at a time too long to go inline: the send slots' rest is
-    // registered too, on one end or both; then every part of both ends at
-    // most once, whatever more comes.
+    // Calls 64 at a time too long to go inline: send slots beyond the
+    // first 8 are registered too, on one end or both; every part of both
+    // ends at most once, whatever more comes.
     for round in 0..3 {
         join_all((0..64).map(|i| echo(&client, 1000 + round * 64 + i, 4000))).await;
         let now = registered_bytes();
         assert!(
-            now >= grown && (now - one_at_a_time) % RING_REST_PER_END == 0 && rests(now) <= 4,
-            "{now} bytes registered after 64 calls at once (round {round}): expected the \
-             rests of rings and send slots registered once each at most"
+            now >= grown && grown_by(4).contains(&(now - one_at_a_time)),
+            "{now} bytes registered after 64 calls at once (round {round}): expected rings \
+             and send slots grown by steps of {GROWN_PER_END:?}, each part once"
         );
     }
     // Not a check: what the first large frame each way pays (a round trip
@@ -197,10 +207,10 @@ async fn memory_is_registered_as_the_frames_need_it() {
     println!(
         "registered an end: {} KiB while frames went inline, {} KiB while they fit a slot; \
          a 200 KiB echo took {first:.1?} first (registering the regions), {second:.1?} next; \
-         {} rings' and send slots' rests registered after many calls at once",
+         {} KiB more for both ends' rings and send slots after many calls at once",
         IDLE_PER_END >> 10,
         SMALL_FRAMES_PER_END >> 10,
-        rests(registered_bytes())
+        (registered_bytes() - one_at_a_time) >> 10
     );
     server.stop().await;
 }

@@ -584,7 +584,7 @@ fn transmitted(t: &Transmit, m: &mut Model) {
         Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
             panic!("rendezvous work with the rendezvous off: {t:?}")
         }
-        Transmit::RegisterRing => panic!("the ring grew, though whole from the start"),
+        Transmit::RegisterRing { .. } => panic!("the ring grew, though whole from the start"),
         Transmit::RegisterRegion => {
             assert!(
                 m.peer_asked && !m.registered,

@@ -309,7 +309,7 @@ fn pump(me: &mut Side) -> usize {
             Transmit::Alloc { .. } | Transmit::Read { .. } | Transmit::Release { .. } => {
                 panic!("rendezvous work with the rendezvous off: {t:?}")
             }
-            Transmit::RegisterRing => me.conn.ring_registered(),
+            Transmit::RegisterRing { .. } => me.conn.ring_registered(),
             Transmit::RegisterRegion => {
                 assert!(!me.region_registered, "the region registered twice");
                 me.region_registered = true;

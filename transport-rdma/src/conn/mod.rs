@@ -17,20 +17,21 @@
 //! Memory of one connection (all registered with its own protection domain):
 //! - `ring`: the receive ring, `ring_slots × slot_size`, local write only,
 //!   every slot in use posted unless its message is being handled or
-//!   held; its first slots registered at set-up, the rest when the peer's
-//!   traffic needs them ([`slots`]);
+//!   held; its first slots registered at set-up, then doubled each time
+//!   the peer keeps half of those consumed ([`slots`]);
 //! - `region`: the large-payload region the peer RDMA-writes into
 //!   (local + remote write: the only remotely writable memory), registered
 //!   when the peer first asks for it;
 //! - `send`: send slots (the peer's slot size, one per peer ring slot plus
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
-//!   of heap-encoded frames); small frames are encoded into them. In two
+//!   of heap-encoded frames); small frames are encoded into them. In
 //!   parts ([`slots`]): the first 8 data slots with the control and chunk
-//!   slots, and the data slots after them (used only while many frames
-//!   are queued or in flight). Each is registered with the first SEND
-//!   from it too long to go inline (the device copies inline sends out
-//!   of the work request): a connection whose frames all go inline pins
-//!   none, one of a few frames at a time 128 KiB by default;
+//!   slots, then the other data slots in doublings (8, 16, 32, …: used
+//!   only while that many frames are queued or in flight). Each part is
+//!   registered with the first SEND from it too long to go inline (the
+//!   device copies inline sends out of the work request): a connection
+//!   whose frames all go inline pins none, one of a few frames at a time
+//!   128 KiB by default;
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it. Registered
 //!   with the first frame that needs it: a connection that only carries

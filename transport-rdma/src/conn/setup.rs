@@ -113,7 +113,6 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     let slot = own.slot_size as usize;
     let ring = SlotMemory::new(
         MemoryRegion::new(&pd, own.initial_slots as usize * slot, Access::LOCAL_WRITE)?,
-        None,
         own.initial_slots,
         own.ring_slots,
         slot,
@@ -165,20 +164,25 @@ fn finish(
     authenticated: bool,
 ) -> Established {
     // The first data slots with the control and chunk slots, then the
-    // other data slots (see `Buffers::send_slot`); each part registered
-    // with the first SEND from it too long to go inline.
+    // other data slots in doublings (see `Buffers::send_slot`): a sender
+    // uses as many as it has frames queued or in flight, the lowest first.
+    // Each part is registered with the first SEND from it too long to go
+    // inline.
     let slot = peer.slot_size as usize;
-    let first_slots = FIRST_DATA_SLOTS.min(peer.ring_slots) + CTRL_SLOTS + HEAP_SLOTS;
-    let slots = peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS;
     let part =
         |n: u32| MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
+    let mut data = FIRST_DATA_SLOTS.min(peer.ring_slots);
     let send = SlotMemory::new(
-        part(first_slots),
-        (slots > first_slots).then(|| part(slots - first_slots)),
-        first_slots,
-        slots,
+        part(data + CTRL_SLOTS + HEAP_SLOTS),
+        data + CTRL_SLOTS + HEAP_SLOTS,
+        peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS,
         slot,
     );
+    while data < peer.ring_slots {
+        let count = data.min(peer.ring_slots - data);
+        send.add(count, part(count));
+        data += count;
+    }
     Established {
         wired: half.wired,
         send,

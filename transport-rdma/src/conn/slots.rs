@@ -1,67 +1,106 @@
-//! Fixed-size slots in two registrations, the first ones and the rest, so
-//! that a connection pins the rest only once its traffic needs them: the
-//! receive ring (its first slots registered at set-up, the rest allocated
-//! and registered when the protocol grows the ring,
+//! Fixed-size slots in a few registrations (parts), so that a connection
+//! pins later parts only once its traffic needs them: the receive ring
+//! (its first slots registered at set-up, each doubling allocated and
+//! registered when the protocol grows the ring,
 //! [`Transmit::RegisterRing`](crate::proto::Transmit::RegisterRing)) and
-//! the send slots (each part registered with the first SEND from it too
-//! long to go inline).
+//! the send slots (every part allocated at set-up, each registered with
+//! the first SEND from it too long to go inline).
 
 use std::ops::Range;
 use std::sync::OnceLock;
 
 use crate::verbs::{Access, MemoryRegion, ProtectionDomain};
 
-/// Slots `0..first_slots` live in `first`, the others in `rest`, each
-/// `slot_size` bytes at `slot_size × (slot − start)`. Local write only:
-/// the peer can never write a slot.
+/// Most parts: the first, then doublings to the largest ring (4 slots
+/// doubled to 4,096 take 10).
+const MAX_PARTS: usize = 12;
+
+/// Slots `0..slots`, each `slot_size` bytes, in parts that follow each
+/// other: a part holds slots `first..first + count`, at
+/// `slot_size × (slot − first)` in its memory. Local write only: the peer
+/// can never write a slot.
 pub(super) struct SlotMemory {
-    first: MemoryRegion,
-    /// Slots `first_slots..slots`, once they exist.
-    rest: OnceLock<MemoryRegion>,
-    first_slots: u32,
+    /// In slot order; each set once, never removed while this lives.
+    parts: [OnceLock<Part>; MAX_PARTS],
     slots: u32,
     slot_size: usize,
 }
 
+struct Part {
+    first: u32,
+    count: u32,
+    mr: MemoryRegion,
+}
+
 impl SlotMemory {
     /// `slots` slots of `slot_size` bytes, the first `first_slots` in
-    /// `first`, the others in `rest` (or, when `None`, in what
-    /// [`register_rest`](Self::register_rest) makes).
+    /// `first`; the others come with [`add`](Self::add) or
+    /// [`register`](Self::register).
     pub(super) fn new(
         first: MemoryRegion,
-        rest: Option<MemoryRegion>,
         first_slots: u32,
         slots: u32,
         slot_size: usize,
     ) -> SlotMemory {
-        debug_assert!(first_slots <= slots);
-        debug_assert!(first.len() >= first_slots as usize * slot_size);
-        SlotMemory {
-            first,
-            rest: rest.map(OnceLock::from).unwrap_or_default(),
-            first_slots,
+        let memory = SlotMemory {
+            parts: Default::default(),
             slots,
             slot_size,
-        }
+        };
+        memory.add(first_slots, first);
+        memory
     }
 
-    /// Allocates and registers the slots after the first on `pd` (once; a
-    /// second call finds them). On an error nothing is kept.
-    pub(super) fn register_rest(&self, pd: &ProtectionDomain) -> Result<(), crate::verbs::Error> {
-        if self.rest.get().is_none() {
-            let len = (self.slots - self.first_slots) as usize * self.slot_size;
-            let rest = MemoryRegion::new(pd, len, Access::LOCAL_WRITE)?;
-            // Only the connection's state, under its lock, makes it:
-            // never two at once.
-            let _ = self.rest.set(rest);
+    /// Adds the next `count` slots, in `mr`. Panics past the slots or the
+    /// parts there are room for, or if `mr` is too short.
+    pub(super) fn add(&self, count: u32, mr: MemoryRegion) {
+        let next = self.parts.iter().position(|p| p.get().is_none());
+        let first = self.end();
+        assert!(
+            first + count <= self.slots,
+            "slots past the {} there are",
+            self.slots
+        );
+        assert!(
+            mr.len() >= count as usize * self.slot_size,
+            "a part too short"
+        );
+        let part = Part { first, count, mr };
+        // Only the connection's state, under its lock, adds parts: never
+        // two at once.
+        let _ = self.parts[next.expect("room for another part")].set(part);
+    }
+
+    /// Allocates and registers slots `from..to` on `pd` as the next part;
+    /// nothing when they exist already. On an error nothing is kept.
+    pub(super) fn register(
+        &self,
+        pd: &ProtectionDomain,
+        from: u32,
+        to: u32,
+    ) -> Result<(), crate::verbs::Error> {
+        if to <= self.end() {
+            return Ok(());
         }
+        assert_eq!(from, self.end(), "parts follow each other");
+        let count = to - from;
+        let mr = MemoryRegion::new(pd, count as usize * self.slot_size, Access::LOCAL_WRITE)?;
+        self.add(count, mr);
         Ok(())
     }
 
-    /// Whether `slot`'s memory exists (a first slot, or one of the rest
-    /// once they do).
+    /// The slots that exist: `0..end`.
+    fn end(&self) -> u32 {
+        self.parts
+            .iter()
+            .map_while(OnceLock::get)
+            .last()
+            .map_or(0, |p| p.first + p.count)
+    }
+
+    /// Whether `slot`'s memory exists.
     pub(super) fn has(&self, slot: u32) -> bool {
-        slot < self.first_slots || (slot < self.slots && self.rest.get().is_some())
+        slot < self.end()
     }
 
     pub(super) fn slot_size(&self) -> usize {
@@ -69,20 +108,17 @@ impl SlotMemory {
     }
 
     /// The memory of `slot` and the slot's bytes in it. Panics for a slot
-    /// after the first ones before they exist (the protocol uses those
-    /// only once they do).
+    /// whose part does not exist yet (the protocol uses those only once
+    /// they do).
     pub(super) fn slot(&self, slot: u32) -> (&MemoryRegion, Range<usize>) {
-        let (mr, index) = if slot < self.first_slots {
-            (&self.first, slot)
-        } else {
-            let rest = self
-                .rest
-                .get()
-                .expect("a slot after the first ones is used only once they exist");
-            (rest, slot - self.first_slots)
-        };
-        let start = index as usize * self.slot_size;
-        (mr, start..start + self.slot_size)
+        let part = self
+            .parts
+            .iter()
+            .map_while(OnceLock::get)
+            .find(|p| slot < p.first + p.count)
+            .expect("a slot is used only once its part exists");
+        let start = (slot - part.first) as usize * self.slot_size;
+        (&part.mr, start..start + self.slot_size)
     }
 
     /// Bytes `within` of `slot`, in their memory. Panics past the slot.

@@ -34,7 +34,7 @@ pub(super) struct Buffers {
     region: OnceLock<MemoryRegion>,
     region_len: usize,
     /// Send slots, in memory order: data slots `0..FIRST_DATA_SLOTS`, the
-    /// control and chunk slots, then the other data slots
+    /// control and chunk slots, then the other data slots, in doublings
     /// ([`send_slot`](Self::send_slot)).
     send: SlotMemory,
     /// Data send slots (the peer's ring slots).
@@ -537,11 +537,11 @@ impl State {
     fn post(&mut self, mem: &Buffers, transmit: Transmit) -> Result<(), crate::verbs::Error> {
         match transmit {
             Transmit::Recv { slot } => {
+                let (mr, range) = mem.ring.slot(slot);
                 // SAFETY: the protocol reposts a slot only once its message
                 // was handled and nothing refers to its bytes any more (its
                 // guard, if any, was dropped); the memory outlives the QP
                 // (see `Shared`).
-                let (mr, range) = mem.ring.slot(slot);
                 unsafe { self.qp.post_recv(WorkKind::Recv.wr_id(slot), mr, range) }
             }
             Transmit::Write {
@@ -646,16 +646,18 @@ impl State {
                 self.out_transfers.remove(&transfer);
                 Ok(())
             }
-            Transmit::RegisterRing => {
-                // The peer keeps many messages in flight: the rest of the
-                // ring (448 KiB by default, once per connection) is
-                // registered under the lock, as the region is.
-                match mem.ring.register_rest(&mem.pd) {
+            Transmit::RegisterRing { from, to } => {
+                // The peer keeps more messages in flight: as many slots
+                // again (64 KiB, 128 KiB, 256 KiB by default, each once
+                // per connection) are registered under the lock, as the
+                // region is.
+                match mem.ring.register(&mem.pd, from, to) {
                     Ok(()) => self.proto.ring_registered(),
                     Err(e) => {
                         tracing::warn!(
-                            "an RDMA connection's receive ring stays at its first slots: \
-                             registering the rest failed: {e}"
+                            "an RDMA connection's receive ring stays at {from} slots: \
+                             registering {} more failed: {e}",
+                            to - from
                         );
                         self.proto.ring_not_registered();
                     }

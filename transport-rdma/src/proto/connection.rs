@@ -187,22 +187,28 @@ pub enum Transmit {
     /// slot): register it, remotely writable, and report it with
     /// [`Connection::region_registered`]; the grant goes then.
     RegisterRegion,
-    /// The peer keeps half our ring's posted slots consumed: register the
-    /// rest of the ring and report it with [`Connection::ring_registered`]
-    /// (its receives are posted then, and go to the peer as credits), or
+    /// The peer keeps half our ring's slots in use consumed: register
+    /// slots `from..to` (as many again as are in use, up to the whole ring)
+    /// and report it with [`Connection::ring_registered`] (their receives
+    /// are posted then, and go to the peer as credits), or
     /// [`Connection::ring_not_registered`] (the ring stays as it is).
-    RegisterRing,
+    RegisterRing {
+        /// The first new slot: the slots in use so far.
+        from: u32,
+        /// The ring's slots in use once registered.
+        to: u32,
+    },
 }
 
 /// Our receive ring, as it grows with the peer's traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RingGrowth {
-    /// Only the first slots are registered and posted.
-    Initial,
-    /// The rest is being registered ([`Transmit::RegisterRing`]).
+    /// Slots are left to take into use.
+    Growable,
+    /// More are being registered ([`Transmit::RegisterRing`]).
     Registering,
-    /// Every slot is in use, or the registration failed (the ring stays
-    /// at its first slots, and is not registered again).
+    /// Every slot is in use, or a registration failed (the ring stays as
+    /// it is, and is not registered again).
     Done,
 }
 
@@ -472,7 +478,7 @@ pub enum Lifecycle {
 pub struct Config {
     /// Our receive ring's slots.
     pub ring_slots: u32,
-    /// Of those, posted at first (4..=`ring_slots`; the rest once the
+    /// Of those, posted at first (4..=`ring_slots`; doubled each time the
     /// peer's traffic fills half of them).
     pub initial_ring_slots: u32,
     /// Our receive slots' size.
@@ -646,7 +652,7 @@ impl Connection {
             slot_size: cfg.slot_size,
             ring: RecvRing::new(cfg.initial_ring_slots, cfg.ring_slots),
             ring_growth: if cfg.initial_ring_slots < cfg.ring_slots {
-                RingGrowth::Initial
+                RingGrowth::Growable
             } else {
                 RingGrowth::Done
             },
@@ -1478,9 +1484,13 @@ impl Connection {
         }
         let header = Header::decode(peek, byte_len)?;
         self.ring.on_arrival()?;
-        if self.ring_growth == RingGrowth::Initial && self.ring.wants_growth() {
+        if self.ring_growth == RingGrowth::Growable && self.ring.wants_growth() {
             self.ring_growth = RingGrowth::Registering;
-            self.transmit.push_back(Transmit::RegisterRing);
+            let next = self.ring.next_growth();
+            self.transmit.push_back(Transmit::RegisterRing {
+                from: next.start,
+                to: next.end,
+            });
         }
         self.credits.grant(header.credits)?;
         if header.freed_to > self.region_sent_to {
@@ -1867,7 +1877,7 @@ impl Connection {
         self.own_region = OwnRegion::ToGrant { addr, rkey };
     }
 
-    /// The rest of our ring is registered ([`Transmit::RegisterRing`]): its
+    /// The slots of [`Transmit::RegisterRing`] are registered: their
     /// receives are posted, and go to the peer as credits.
     pub fn ring_registered(&mut self) {
         assert_eq!(
@@ -1875,15 +1885,20 @@ impl Connection {
             RingGrowth::Registering,
             "a ring registered that the protocol did not ask for"
         );
-        self.ring_growth = RingGrowth::Done;
         for slot in self.ring.grow() {
             self.posted[slot as usize] = true;
             self.transmit.push_back(Transmit::Recv { slot });
         }
+        self.ring_growth = if self.ring.slots() < self.ring_slots {
+            RingGrowth::Growable
+        } else {
+            RingGrowth::Done
+        };
     }
 
-    /// The rest of our ring could not be registered (the locked-memory
-    /// limit, say): the connection goes on with the slots it has.
+    /// The slots of [`Transmit::RegisterRing`] could not be registered (the
+    /// locked-memory limit, say): the connection goes on with the slots it
+    /// has.
     pub fn ring_not_registered(&mut self) {
         self.ring_growth = RingGrowth::Done;
     }
@@ -2276,11 +2291,21 @@ mod tests {
             .collect()
     }
 
-    /// A ring posts its first slots only, and the rest once the peer keeps
-    /// half of those consumed: registered first, then posted, then
-    /// returned to the peer as credits at once (it may be waiting for them).
+    /// A ring posts its first slots only, and doubles them (up to the whole
+    /// ring) each time the peer keeps half of those consumed: registered
+    /// first, then posted, then returned to the peer as credits at once (it
+    /// may be waiting for them).
     #[test]
-    fn the_ring_grows_when_the_peer_fills_half_its_first_slots() {
+    fn the_ring_doubles_when_the_peer_fills_half_its_slots() {
+        let grown = |posted: &[Transmit]| -> Vec<(u32, u32)> {
+            posted
+                .iter()
+                .filter_map(|t| match *t {
+                    Transmit::RegisterRing { from, to } => Some((from, to)),
+                    _ => None,
+                })
+                .collect()
+        };
         let mut conn = Connection::new(Config {
             initial_ring_slots: 4,
             ..connection_config()
@@ -2305,17 +2330,10 @@ mod tests {
         };
         complete(&mut conn, WorkKind::Recv.wr_id(0), &inline(1));
         let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
-        assert!(!posted.contains(&Transmit::RegisterRing), "{posted:?}");
+        assert_eq!(grown(&posted), [], "one of four unanswered");
         complete(&mut conn, WorkKind::Recv.wr_id(1), &inline(2));
         let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
-        assert_eq!(
-            posted
-                .iter()
-                .filter(|t| **t == Transmit::RegisterRing)
-                .count(),
-            1,
-            "{posted:?}"
-        );
+        assert_eq!(grown(&posted), [(4, 8)], "{posted:?}");
         assert!(!posted.iter().any(|t| matches!(t, Transmit::Recv { .. })));
         conn.ring_registered();
         let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
@@ -2326,7 +2344,7 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(reposted, (4..RING_SLOTS).collect::<Vec<_>>());
+        assert_eq!(reposted, [4, 5, 6, 7]);
         let credits: Vec<_> = posted
             .iter()
             .filter_map(|t| match t {
@@ -2338,10 +2356,22 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(credits, [RING_SLOTS as u16 - 4], "the new slots, at once");
+        assert_eq!(credits, [4], "the new slots, at once");
+        assert_eq!(conn.ring_slots_in_use(), 8);
+        // Messages in new slots are taken as any other; four of eight
+        // unanswered grow the ring again, to its 12 slots, and no further.
+        for slot in 2..4 {
+            complete(&mut conn, WorkKind::Recv.wr_id(slot), &inline(3));
+        }
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert_eq!(grown(&posted), [(8, RING_SLOTS)], "{posted:?}");
+        conn.ring_registered();
         assert_eq!(conn.ring_slots_in_use(), RING_SLOTS);
-        // A message in a new slot is taken as any other.
-        complete(&mut conn, WorkKind::Recv.wr_id(RING_SLOTS - 1), &inline(3));
+        for slot in 4..RING_SLOTS {
+            complete(&mut conn, WorkKind::Recv.wr_id(slot), &inline(4));
+        }
+        let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
+        assert_eq!(grown(&posted), [], "the whole ring is in use");
         assert_eq!(conn.failure(), None);
 
         // A ring that could not grow goes on with its first slots, and
@@ -2353,11 +2383,11 @@ mod tests {
         complete(&mut conn, WorkKind::Recv.wr_id(0), &inline(1));
         complete(&mut conn, WorkKind::Recv.wr_id(1), &inline(2));
         let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
-        assert!(posted.contains(&Transmit::RegisterRing));
+        assert_eq!(grown(&posted), [(4, 8)]);
         conn.ring_not_registered();
         complete(&mut conn, WorkKind::Recv.wr_id(2), &inline(3));
         let posted: Vec<_> = std::iter::from_fn(|| conn.poll_transmit()).collect();
-        assert!(!posted.contains(&Transmit::RegisterRing), "{posted:?}");
+        assert_eq!(grown(&posted), [], "{posted:?}");
         assert_eq!(conn.ring_slots_in_use(), 4);
         assert_eq!(conn.failure(), None);
     }

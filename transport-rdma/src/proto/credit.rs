@@ -92,9 +92,10 @@ pub enum Delivery {
 /// reported).
 ///
 /// The ring starts with a few slots in use (what an idle connection pins)
-/// and grows to all of them once the peer's traffic fills half of those
-/// ([`wants_growth`](Self::wants_growth), [`grow`](Self::grow)): the new
-/// slots go to the peer as credits it never had.
+/// and doubles them, up to all of its slots, each time the peer's traffic
+/// keeps half of those consumed ([`wants_growth`](Self::wants_growth),
+/// [`grow`](Self::grow)): memory follows the calls a peer keeps in
+/// flight, and the new slots go to it as credits it never had.
 #[derive(Debug, Clone)]
 pub struct RecvRing {
     /// Slots in use: the peer's window.
@@ -134,18 +135,25 @@ impl RecvRing {
         self.slots
     }
 
-    /// Whether to grow the ring to all its slots: the peer has half of
-    /// those in use consumed (it sends faster than one call at a time).
+    /// Whether to grow the ring: the peer has half of the slots in use
+    /// consumed (it keeps that many messages unanswered).
     pub fn wants_growth(&self) -> bool {
         self.slots < self.max_slots && self.outstanding >= self.slots / 2
     }
 
-    /// Takes every slot into use; returns the new ones, to post. They go
-    /// to the peer as credits with the next message.
+    /// The slots [`grow`](Self::grow) would take into use next: as many
+    /// again as are in use, up to the whole ring.
+    pub fn next_growth(&self) -> std::ops::Range<u32> {
+        self.slots..(2 * self.slots).min(self.max_slots)
+    }
+
+    /// Takes the slots of [`next_growth`](Self::next_growth) into use and
+    /// returns them, to post. They go to the peer as credits with the next
+    /// message.
     pub fn grow(&mut self) -> std::ops::Range<u32> {
-        let new = self.slots..self.max_slots;
+        let new = self.next_growth();
         self.fresh += new.len() as u32;
-        self.slots = self.max_slots;
+        self.slots = new.end;
         new
     }
 
@@ -309,21 +317,45 @@ mod tests {
             r.on_arrival().unwrap();
         }
         assert!(r.wants_growth());
-        assert_eq!(r.grow(), 8..64);
-        assert!(!r.wants_growth());
-        assert_eq!(r.slots(), 64);
+        assert_eq!(r.grow(), 8..16);
+        assert!(!r.wants_growth(), "4 of 16");
+        assert_eq!(r.slots(), 16);
         assert!(r.wants_credit_message(), "the new slots go at once");
-        assert_eq!(r.pending(), 56);
+        assert_eq!(r.pending(), 8);
         w.grant(r.take_credits()).unwrap();
-        assert_eq!(w.available(), 60, "4 still in flight");
+        assert_eq!(w.available(), 12, "4 still in flight");
         assert!(!r.wants_credit_message());
         // The four come back as any other.
         for _ in 0..4 {
             r.on_reposted();
         }
         w.grant(r.take_credits()).unwrap();
-        assert_eq!(w.available(), 64);
+        assert_eq!(w.available(), 16);
         assert_eq!(r.outstanding(), 0);
+        // Doubling again as the peer keeps more in flight, to the whole
+        // ring and no further.
+        for (unanswered, grown) in [(8, 16..32), (16, 32..64)] {
+            for _ in 0..unanswered {
+                assert!(w.take_data());
+                r.on_arrival().unwrap();
+            }
+            assert!(r.wants_growth());
+            assert_eq!(r.grow(), grown);
+            for _ in 0..unanswered {
+                r.on_reposted();
+            }
+            w.grant(r.take_credits()).unwrap();
+        }
+        assert_eq!(w.available(), 64);
+        for _ in 0..63 {
+            assert!(w.take_data() || w.take_control());
+            r.on_arrival().unwrap();
+        }
+        assert!(!r.wants_growth(), "the whole ring is in use");
+        for _ in 0..63 {
+            r.on_reposted();
+        }
+        w.grant(r.take_credits()).unwrap();
         assert!(w.grant(1).is_err(), "over the whole ring");
     }
 

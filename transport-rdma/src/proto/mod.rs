@@ -35,8 +35,9 @@
 //! in place before the SEND's receive completes. Each message also returns
 //! `credits` receive slots and the sender's region `freed_to` position.
 //! `Credit` messages carry only those; `Close` ends the stream. A
-//! receiver posts the first slots its hello names, and the rest of its
-//! ring once the peer keeps half of those consumed: the new slots come as
+//! receiver posts the first slots its hello names, and doubles them (up to
+//! its whole ring) each time the peer keeps half of those in use consumed:
+//! the new slots come as
 //! credits the peer never had (on any message; a `Credit` message goes at
 //! once). The
 //! receiver's region exists once the sender asked for it: `RegionWanted`

@@ -38,7 +38,7 @@ impl XorShift {
     }
 }
 
-const SLOTS: u32 = 8;
+const SLOTS: u32 = 16;
 const SLOT_SIZE: usize = 96;
 const INLINE_MAX: usize = SLOT_SIZE - HEADER_LEN;
 const REGION: usize = 256;
@@ -394,7 +394,13 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 me.region_registered = true;
                 me.conn.region_registered(0, 0);
             }
-            Transmit::RegisterRing => {
+            Transmit::RegisterRing { from, to } => {
+                assert_eq!(
+                    from,
+                    me.conn.ring_slots_in_use(),
+                    "growth from the slots in use"
+                );
+                assert!(from < to && to <= SLOTS, "growth to {to} of {SLOTS} slots");
                 if me.ring_registers {
                     RINGS_GROWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     me.conn.ring_registered();
@@ -604,10 +610,10 @@ fn run(seed: u64, steps: usize) {
         1 => Some(INLINE_MAX + 1),
         _ => Some(REGION / 2 + 10),
     };
-    // Rings that start with half their slots (and grow, or fail to) or
-    // with all of them.
-    let initial_a = if rng.below(2) == 0 { SLOTS / 2 } else { SLOTS };
-    let initial_b = if rng.below(2) == 0 { SLOTS / 2 } else { SLOTS };
+    // Rings that start with a few of their slots (and double them, or fail
+    // to) or with all of them.
+    let initial_a = [4, 5, SLOTS][rng.below(3) as usize];
+    let initial_b = [4, 5, SLOTS][rng.below(3) as usize];
     let mut a = Side::with(rendezvous, initial_a, initial_b);
     let mut b = Side::with(rendezvous, initial_b, initial_a);
     a.ring_registers = rng.below(4) != 0;

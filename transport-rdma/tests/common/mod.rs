@@ -120,11 +120,17 @@ pub const IDLE_PER_END: u64 = pages(8 * 8192);
 /// part of the send slots (8 data, 4 control and 4 chunk slots).
 pub const SMALL_FRAMES_PER_END: u64 = IDLE_PER_END + pages(16 * 8192);
 
-/// The rest of the default ring (56 × 8 KiB), registered once the peer
-/// keeps half the first slots consumed; the rest of the send slots are as
-/// large, registered with the first frame too long to go inline sent from
-/// them (many frames at once).
-pub const RING_REST_PER_END: u64 = pages(56 * 8192);
+/// What the default ring registers as it grows, by steps: as many slots
+/// again each time the peer keeps half of those in use consumed (8 → 16
+/// → 32 → 64 slots of 8 KiB). The send slots after the first 8 data slots
+/// come in the same steps, each with the first frame too long to go
+/// inline sent from it (that many frames at once).
+pub const GROWN_PER_END: [u64; 4] = [
+    0,
+    pages(8 * 8192),
+    pages(8 * 8192) + pages(16 * 8192),
+    pages(8 * 8192) + pages(16 * 8192) + pages(32 * 8192),
+];
 
 /// `VmPin` of this process (memory pinned by verbs registrations), bytes.
 pub fn pinned_bytes() -> u64 {
@@ -149,11 +155,21 @@ pub fn pinned_bytes() -> u64 {
 /// own), each rounded up to whole pages (what registration pins; see
 /// `transport_rdma::verbs::registered_bytes`).
 pub const fn pinned_per_end(ring_slots: u64, slot_size: u64, region_len: u64) -> u64 {
-    // The ring and the send slots in two registrations each: the first 8
-    // slots (for sending, with 8 control and chunk slots), and the rest.
-    let rest = pages((ring_slots - 8) * slot_size);
-    let ring = pages(8 * slot_size) + rest;
-    let send = pages(16 * slot_size) + rest;
+    // The ring and the send slots in parts: the first 8 slots (for
+    // sending, with 8 control and chunk slots), then doublings.
+    let mut grown = 0;
+    let mut slots = 8;
+    while slots < ring_slots {
+        let part = if 2 * slots < ring_slots {
+            slots
+        } else {
+            ring_slots - slots
+        };
+        grown += pages(part * slot_size);
+        slots += part;
+    }
+    let ring = pages(8 * slot_size) + grown;
+    let send = pages(16 * slot_size) + grown;
     ring + send + 2 * pages(region_len)
 }
 
