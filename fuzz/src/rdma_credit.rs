@@ -50,8 +50,8 @@ pub enum CreditOp {
 /// Runs the checks on one input.
 pub fn check(input: &CreditInput) {
     let slots = 8 + u32::from(input.slots) % 1017;
-    let mut window = CreditWindow::new(slots);
-    let mut ring = RecvRing::new(slots);
+    let mut window = CreditWindow::new(slots, slots);
+    let mut ring = RecvRing::new(slots, slots);
     let mut in_flight = 0u32;
     let mut zero_copy_held = 0u32;
     let mut returning: Vec<u16> = Vec::new();
