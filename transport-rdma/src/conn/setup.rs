@@ -109,7 +109,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         },
     )?;
     let own = cfg.hello();
-    // The first slots now, the rest when the peer's traffic needs them.
+    // The first slots now, doublings as the peer's traffic needs them.
     let slot = own.slot_size as usize;
     let ring = SlotMemory::new(
         MemoryRegion::new(&pd, own.initial_slots as usize * slot, Access::LOCAL_WRITE)?,

@@ -58,8 +58,8 @@ pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 
 // SAFETY: `ring`, `send` and `staging` are only accessed through their
 // `unsafe` `slice`/`slice_mut` or raw copies (the `OnceLock`s publish
-// `region`, `staging` and the ring's rest once, registered), and each byte range is owned by exactly one
-// party at a time, as the protocol state (under the connection's mutex)
+// `region`, `staging` and each part of the slots once, registered), and
+// each byte range is owned by exactly one party at a time, as the protocol state (under the connection's mutex)
 // records: the device while posted, the state while being encoded or
 // handled, or one `SlotGuard` while the application holds a received frame.
 // `region` (remotely writable) is only read, by raw copies under the
@@ -71,7 +71,7 @@ unsafe impl Sync for Buffers {}
 
 impl Buffers {
     /// The connection's memory: the receive ring's first slots and the
-    /// send slots now; the rest of the ring, the region (`own.region_len`)
+    /// send slots now; the ring's later parts, the region (`own.region_len`)
     /// and staging (`peer_region_len`, mirroring the peer's region's
     /// offsets) once needed.
     pub(super) fn new(

@@ -14,8 +14,8 @@ pub const FLAG_READS_RENDEZVOUS: u16 = 2;
 
 /// One side's receive geometry: how many receive slots of what size it
 /// has, how many of them it posts at first (the peer's first credits; it
-/// posts the rest once the peer's traffic needs them), and how large a region the peer may
-/// RDMA WRITE into once it asked for it (`RegionWanted`; the region's
+/// doubles them as the peer's traffic needs), and how large a region the
+/// peer may RDMA WRITE into once it asked for it (`RegionWanted`; the region's
 /// address and key come in the answer, so none is registered, and none
 /// goes on the wire, for a connection that never needs one).
 ///
@@ -29,8 +29,8 @@ pub struct Hello {
     /// Receive slots, at most: the ring grows to this many.
     pub ring_slots: u32,
     /// Receive slots posted at first (4..=`ring_slots`): the peer starts
-    /// with this many credits. The rest come as credits the peer never
-    /// had once it keeps half of these consumed.
+    /// with this many credits. More come, as credits the peer never had,
+    /// each time it keeps half of the slots in use consumed.
     pub initial_slots: u32,
     /// Bytes per receive slot, header included.
     pub slot_size: u32,
