@@ -328,6 +328,52 @@ pub async fn a_caller_that_read_for_itself_and_gave_up_hands_reading_back(
     assert_eq!(status.code(), Code::Unavailable, "{status}");
 }
 
+/// Calls one at a time, then many at once, again and again: the lone
+/// call's caller reads the connection itself while the reader task
+/// waits, and the burst after it is read by the reader task: every burst
+/// call must get its answer, none waits for the keepalive. (The pattern
+/// that stalled `bench-node` over RDMA for 20 s: a lone caller's read
+/// dropped the reader task's waker. The transport's own test of that,
+/// without timing luck: `frames.rs`, `a_poll_that_finds_frames_wakes_the_task_that_waited`.)
+pub async fn bursts_after_a_lone_call_are_read(listen: String, _profile: &Profile) {
+    const ROUNDS: usize = 40;
+    const BURST: usize = 16;
+    let server = TestServer::start(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let echo = |client: Client, body: Bytes| async move {
+        let mut request = Request::new(body.clone());
+        request.set_timeout(Duration::from_secs(10));
+        let reply = client.unary::<BytesCodec>("/test.Test/Echo", request).await;
+        (body, reply)
+    };
+    for round in 0..ROUNDS {
+        for lone in 0..3 {
+            let (body, reply) =
+                echo(client.clone(), Bytes::from(format!("{round}/lone-{lone}"))).await;
+            let reply = reply.unwrap_or_else(|s| panic!("round {round}, lone call {lone}: {s}"));
+            assert_eq!(reply.into_inner(), body);
+        }
+        // Spawned, so that they run on both workers, finishing one by one
+        // down to a lone call again.
+        let burst: Vec<_> = (0..BURST)
+            .map(|i| {
+                tokio::spawn(echo(
+                    client.clone(),
+                    Bytes::from(format!("{round}/burst-{i}")),
+                ))
+            })
+            .collect();
+        for (i, call) in burst.into_iter().enumerate() {
+            let (body, reply) = call.await.expect("the call's task");
+            let reply = reply.unwrap_or_else(|s| {
+                panic!("round {round}, burst call {i} (a stall would fail it with DeadlineExceeded): {s}")
+            });
+            assert_eq!(reply.into_inner(), body, "round {round}, burst call {i}");
+        }
+    }
+    server.stop().await;
+}
+
 pub async fn unknown_service_and_method_are_unimplemented(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
@@ -978,6 +1024,7 @@ macro_rules! for_each_case {
             zero_timeout_fails_at_once_without_sending,
             dropping_the_call_cancels_the_handler,
             a_caller_that_read_for_itself_and_gave_up_hands_reading_back,
+            bursts_after_a_lone_call_are_read,
             unknown_service_and_method_are_unimplemented,
             panicking_handler_fails_only_its_call,
             oversized_messages_fail_with_resource_exhausted_and_the_connection_survives,

@@ -141,6 +141,75 @@ async fn round_trip_sizes(cfg: RdmaTransport, sizes: &[usize]) {
     assert!(recv(&mut server).await.expect("clean end").is_none());
 }
 
+/// A poll that finds frames in the completion queue wakes the task that
+/// waited before it: that task's waker stays registered. rpc-core's
+/// callers read for themselves while its reader task waits, and a caller
+/// stops after its own response; once, the caller's poll dropped the
+/// reader's waker, and the frames behind it waited for the keepalive
+/// (20 s).
+///
+/// On a current-thread runtime the connection's driver runs only when the
+/// test yields: the frames wait in the completion queue for the second
+/// poll, as they did for the caller that raced the driver.
+#[test]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+fn a_poll_that_finds_frames_wakes_the_task_that_waited() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+
+    #[derive(Default)]
+    struct Counted(AtomicUsize);
+    impl Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let env = TestEnv::from_env();
+        let (client, mut server) = pair(&env, &RdmaTransport::default()).await;
+        let reader = Arc::new(Counted::default());
+        let reader_waker = Waker::from(Arc::clone(&reader));
+        assert!(
+            server
+                .source
+                .poll_recv(&mut Context::from_waker(&reader_waker))
+                .is_pending(),
+            "nothing was sent yet"
+        );
+        let bodies = [payload(0, 100), payload(1, 100)];
+        for (id, body) in bodies.iter().enumerate() {
+            let frame = OutFrame::new(id as u64, OutBody::Message, Some(body), false).unwrap();
+            let mut cx = Context::from_waker(Waker::noop());
+            assert!(
+                matches!(client.sink.poll_send(&mut cx, &frame), Poll::Ready(Ok(()))),
+                "a small frame is posted at once"
+            );
+        }
+        // Blocks the runtime: no driver drains the completion queue.
+        std::thread::sleep(Duration::from_millis(500));
+        let first = match server
+            .source
+            .poll_recv(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(frame) => frame.expect("receives").expect("a frame"),
+            Poll::Pending => panic!("the frames had not arrived 500 ms after they were posted"),
+        };
+        check(&first, 0, &bodies[0]);
+        assert_eq!(
+            reader.0.load(Ordering::SeqCst),
+            1,
+            "the task that waited first was not woken for the frame left behind"
+        );
+        let second = recv(&mut server).await.expect("receives").expect("a frame");
+        check(&second, 1, &bodies[1]);
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn tiny_ring_every_threshold_both_ways() {

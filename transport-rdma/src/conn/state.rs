@@ -782,11 +782,16 @@ impl LiveConnection for Shared {
     fn summary(&self) -> String {
         let st = self.lock();
         format!(
-            "{}: {} | handles {} released {}",
+            "{}: {} | handles {} released {} receiver {}",
             self.peer,
             st.proto.summary(),
             st.handles,
             self.released.lock().map(|r| r.len()).unwrap_or(0),
+            if st.recv_waker.is_some() {
+                "waits"
+            } else {
+                "not waiting"
+            },
         )
     }
 }
