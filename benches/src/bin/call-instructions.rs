@@ -7,7 +7,9 @@
 //!
 //! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-64`
 //! (the same, 64 tasks making calls at once on one channel), `rpc-mem`
-//! (the same over `mem://`), `rpc-metrics` (`rpc` with `rpc-metrics`
+//! (the same over `mem://`), `rpc-rdma` (the same over `rdma://` on the
+//! device of `RDMA_TEST_IP`: in a Soft-RoCE guest, `cargo xtask rxe`),
+//! `rpc-metrics` (`rpc` with `rpc-metrics`
 //! recording on both sides), `rpc-intercept` (`rpc` with an interceptor
 //! that does nothing on both sides: the hooks' own cost), `rpc-inline`
 //! (`rpc` with the server's handlers run on the connection's reader:
@@ -25,7 +27,7 @@ use rpc_core::{Endpoint, Server, ServerBuilder};
 use rpc_metrics::RpcMetrics;
 
 const USAGE: &str = "usage: call-instructions \
-    rpc|rpc-64|rpc-mem|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
+    rpc|rpc-64|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
 
 /// Calls `rpc-64` keeps in flight.
 const IN_FLIGHT: usize = 64;
@@ -42,6 +44,11 @@ async fn main() -> Result<(), Error> {
     match system.as_str() {
         "rpc" => unary(System::Rpc, "tcp://127.0.0.1:0", calls, &payload).await,
         "rpc-mem" => unary(System::Rpc, "mem://call-instructions", calls, &payload).await,
+        "rpc-rdma" => {
+            let ip = std::env::var("RDMA_TEST_IP")
+                .map_err(|_| "rpc-rdma needs RDMA_TEST_IP, an address on an RDMA device (cargo xtask rxe sets it)")?;
+            unary(System::Rpc, &format!("rdma://{ip}:0"), calls, &payload).await
+        }
         "tonic" => unary(System::Tonic, "tcp://127.0.0.1:0", calls, &payload).await,
         "rpc-metrics" => {
             let metrics = RpcMetrics::register(&mut Registry::default());
