@@ -31,6 +31,9 @@ const USAGE: &str = "usage: shard-server [--addr scheme://host:port] [--shards N
                     [--service-time-us MEAN] [--slow SHARD:REPLICA] [--slow-factor F]
                     [--metrics-addr HOST:PORT]";
 
+/// How long calls still running at shutdown may go on before they are cancelled.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 struct Replica {
     shard: u32,
     replica: u32,
@@ -175,7 +178,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (health, health_service) = rpc_health::health_service();
             health.set_serving("shard.Model");
             reporters.push(health);
-            let mut builder = rpc_core::Server::builder();
+            // Clients watch each replica's health with a stream that never
+            // ends by itself; one whose client left without a word (its
+            // FIN reads as a half-close, and a first write to the closed
+            // socket succeeds) would hold the shutdown forever: after the
+            // grace, calls still running are cancelled.
+            let mut builder = rpc_core::Server::builder().shutdown_grace(SHUTDOWN_GRACE);
             if let Some(metrics) = &metrics {
                 builder = builder.intercept(metrics.server());
             }
