@@ -159,6 +159,12 @@ pub trait FrameSink: Send + Sync + 'static {
 /// The receiving half of a connection.
 pub trait FrameSource: Send + 'static {
     /// The next whole frame; `Ok(None)` when the peer closed the connection in order.
+    ///
+    /// Several tasks may poll one source in turn (a client's callers read
+    /// their own answers while its reader task waits). A poll that returns
+    /// a frame must not drop the waker another task left with an earlier
+    /// `Pending`: that task is still the one to wake for what arrives
+    /// next, or for frames this poll saw and did not return.
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>>;
 }
 

@@ -361,12 +361,9 @@ impl FrameSource for RdmaSource {
                 // Look in the CQ before waiting for the driver: a frame
                 // that is already there is not delayed by a wake-up, and
                 // this task does not wake itself for it. Another task's
-                // waker stays and is woken for what the CQ held: this
-                // poll may return one frame and leave the rest, and its
-                // caller may never poll again (rpc-core's callers read
-                // for themselves while the reader task is the one
-                // waiting; dropping its waker here stalled the next calls
-                // until the keepalive, 20 s).
+                // waker stays, and is woken for what the CQ held (see
+                // `FrameSource::poll_recv`; dropping it stalled rpc-core's
+                // calls until the keepalive, 20 s).
                 st.recv_waker = st.recv_waker.take().filter(|w| !w.will_wake(cx.waker()));
                 if st.drain_cq(&shared.cq, mem) > 0 {
                     continue;

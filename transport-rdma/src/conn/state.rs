@@ -59,9 +59,10 @@ pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 // SAFETY: `ring`, `send` and `staging` are only accessed through their
 // `unsafe` `slice`/`slice_mut` or raw copies (the `OnceLock`s publish
 // `region`, `staging` and each part of the slots once, registered), and
-// each byte range is owned by exactly one party at a time, as the protocol state (under the connection's mutex)
-// records: the device while posted, the state while being encoded or
-// handled, or one `SlotGuard` while the application holds a received frame.
+// each byte range is owned by exactly one party at a time, as the protocol
+// state (under the connection's mutex) records: the device while posted,
+// the state while being encoded or handled, or one `SlotGuard` while the
+// application holds a received frame.
 // `region` (remotely writable) is only read, by raw copies under the
 // connection's mutex, of chunks the peer's protocol has finished writing (a
 // peer that writes anyway changes only the bytes we copy, never memory a
