@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::free_slots::FreeSlots;
 use super::rendezvous::{InState, Incoming, OutTransfer};
 use super::{
     lane, pool_charge, route, Announcement, Assembled, CreditWindow, Delivery, FrameBytes, Header,
@@ -570,7 +571,7 @@ pub struct Connection {
     credits: CreditWindow,
     writer: RegionWriter,
     queue: VecDeque<Out>,
-    free_send: Vec<u32>,
+    free_send: FreeSlots,
     free_ctrl: Vec<u32>,
     free_heap: Vec<u32>,
     heap_queued: bool,
@@ -635,7 +636,7 @@ impl Connection {
             credits: CreditWindow::new(cfg.peer_initial_ring_slots, peer),
             writer: RegionWriter::new(cfg.peer_region_len),
             queue: VecDeque::new(),
-            free_send: (0..peer).rev().collect(),
+            free_send: FreeSlots::all(peer),
             free_ctrl: (peer..peer + CTRL_SLOTS).collect(),
             free_heap: (peer + CTRL_SLOTS..peer + CTRL_SLOTS + HEAP_SLOTS).collect(),
             heap_queued: false,
@@ -854,7 +855,7 @@ impl Connection {
             if self.outgoing.len() >= self.rdv.max_outgoing as usize {
                 return SendDecision::Wait;
             }
-            let Some(slot) = self.free_send.pop() else {
+            let Some(slot) = self.free_send.take() else {
                 return SendDecision::Wait;
             };
             let transfer = self.next_transfer;
@@ -882,7 +883,7 @@ impl Connection {
         }
         let place = match route {
             Route::Inline => {
-                let Some(slot) = self.free_send.pop() else {
+                let Some(slot) = self.free_send.take() else {
                     return SendDecision::Wait;
                 };
                 Place::Inline { slot }
@@ -891,12 +892,12 @@ impl Connection {
                 if self.heap_queued {
                     return SendDecision::Wait;
                 }
-                let Some(slot) = self.free_send.pop() else {
+                let Some(slot) = self.free_send.take() else {
                     return SendDecision::Wait;
                 };
                 let head_before = self.writer.head();
                 let Some(pos) = self.writer.alloc(len as u64) else {
-                    self.free_send.push(slot);
+                    self.free_send.put(slot);
                     return SendDecision::Wait;
                 };
                 Place::Region {
@@ -1044,16 +1045,16 @@ impl Connection {
     /// other frame was reserved since (the caller held its guard).
     pub fn cancel_send(&mut self, r: Reservation) {
         match r.place {
-            Place::Inline { slot } => self.free_send.push(slot),
+            Place::Inline { slot } => self.free_send.put(slot),
             Place::Region {
                 slot, head_before, ..
             } => {
-                self.free_send.push(slot);
+                self.free_send.put(slot);
                 self.writer.roll_back_to(head_before);
             }
             Place::Heap => self.heap_queued = false,
             Place::Rendezvous { slot, transfer, .. } => {
-                self.free_send.push(slot);
+                self.free_send.put(slot);
                 self.outgoing.remove(&transfer);
             }
         }
@@ -1419,7 +1420,7 @@ impl Connection {
                 }
             }
             WorkKind::Send => {
-                self.free_send.push(index);
+                self.free_send.put(index);
                 self.wake.senders = true;
             }
             WorkKind::Control => self.free_ctrl.push(index),
@@ -2042,6 +2043,33 @@ mod tests {
                 "{kind:?} {index}: {failure:?}"
             );
         }
+    }
+
+    #[test]
+    fn send_slots_are_reused_lowest_first() {
+        // The verbs layer registers send slots in parts, lowest first: a
+        // sender with n frames in flight must use slots below n whatever
+        // order their completions came in.
+        let mut conn = connection();
+        let send = |conn: &mut Connection| {
+            let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+                panic!("no room for an inline frame")
+            };
+            conn.queue_frame(reservation, None).unwrap();
+            let Some(Transmit::Send { kind, slot, .. }) = conn.poll_transmit() else {
+                panic!("the frame was not sent")
+            };
+            assert_eq!(kind, WorkKind::Send);
+            slot
+        };
+        let first: Vec<u32> = (0..4).map(|_| send(&mut conn)).collect();
+        assert_eq!(first, [0, 1, 2, 3]);
+        for slot in [3, 0, 2] {
+            complete(&mut conn, WorkKind::Send.wr_id(slot), &[]);
+        }
+        let next: Vec<u32> = (0..3).map(|_| send(&mut conn)).collect();
+        assert_eq!(next, [0, 2, 3], "a stack would give 2, 0, 3");
+        assert_eq!(conn.failure(), None);
     }
 
     #[test]

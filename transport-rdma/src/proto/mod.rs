@@ -55,6 +55,7 @@ pub mod auth;
 mod connection;
 mod credit;
 mod frame_bytes;
+mod free_slots;
 mod header;
 mod hello;
 mod reassembly;
