@@ -49,6 +49,8 @@ pub(crate) struct KeepaliveTimer {
     /// Frames received when the timer last fired.
     seen: u64,
     pinged: bool,
+    /// Whether the peer can answer a ping (see [`probe_only`](Self::probe_only)).
+    answers: bool,
 }
 
 impl KeepaliveTimer {
@@ -60,7 +62,17 @@ impl KeepaliveTimer {
             gate: WakeGate::new(),
             seen: 0,
             pinged: false,
+            answers: true,
         }
+    }
+
+    /// For a peer that can send nothing more (it shut down its sending
+    /// side): pings go on every `interval` and silence is never fatal. A
+    /// ping is then a probe of the way back: written to a peer whose host
+    /// closed the socket, it fails (TCP's first write draws a reset, the
+    /// next one fails), and the caller learns the peer left.
+    pub(crate) fn probe_only(&mut self) {
+        self.answers = false;
     }
 
     /// Whether keepalive is on (select on [`KeepaliveTimer::tick`] only then).
@@ -86,9 +98,14 @@ impl KeepaliveTimer {
                 self.pinged = false;
                 self.sleep.as_mut().reset(now + config.interval);
                 self.gate.force();
-            } else if !self.pinged {
+            } else if !self.pinged || !self.answers {
                 self.pinged = true;
-                self.sleep.as_mut().reset(now + config.timeout);
+                let next = if self.answers {
+                    config.timeout
+                } else {
+                    config.interval
+                };
+                self.sleep.as_mut().reset(now + next);
                 self.gate.force();
                 return Tick::Ping;
             } else {
@@ -118,6 +135,17 @@ mod tests {
             Tick::Dead(Duration::from_secs(15))
         );
         assert_eq!(start.elapsed(), Duration::from_secs(15));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_cannot_answer_is_probed_every_interval_and_never_declared_dead() {
+        let mut timer = KeepaliveTimer::new(Some(CONFIG));
+        timer.probe_only();
+        let start = Instant::now();
+        for n in 1..=4 {
+            assert_eq!(timer.tick(&AtomicU64::new(0)).await, Tick::Ping);
+            assert_eq!(start.elapsed(), n * CONFIG.interval);
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -6,7 +6,7 @@
 use rpc_test_support as support;
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
@@ -110,6 +110,73 @@ async fn a_client_that_half_closes_after_its_request_gets_the_reply() {
         "the server kept the half-closed connection open"
     );
     server.stop().await;
+}
+
+/// Pings every 50 ms, a dead peer declared after 50 ms more.
+fn fast_keepalive(b: rpc_core::ServerBuilder) -> rpc_core::ServerBuilder {
+    b.keepalive(Duration::from_millis(50), Duration::from_millis(50))
+}
+
+#[tokio::test]
+async fn a_half_closed_client_still_reading_gets_its_reply_through_the_pings() {
+    // The keepalive goes on after the half-close, as probes (the client can
+    // send no pongs): a client that reads stays served, for longer than
+    // the interval and timeout together.
+    let (server, mut raw) = start_with(fast_keepalive).await;
+    send_request(
+        &mut raw,
+        1,
+        "/test.Test/Sleep",
+        None,
+        Bytes::from(600u32.to_le_bytes().to_vec()),
+    )
+    .await;
+    raw.shutdown().await.unwrap();
+    let (status, payload) = final_status(&mut raw, 1).await;
+    assert_eq!(status.code(), Code::Ok, "{status}");
+    assert_eq!(payload.as_deref(), Some(&b"slept"[..]));
+    assert_eq!(server.probes.cancelled.load(Ordering::SeqCst), 0);
+    drop(raw);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_left_with_a_call_open_has_it_cancelled_and_the_server_drains() {
+    // A client process that exits closes its socket: the server reads a
+    // half-close. Its open call (a 60 s sleep here; a health watch stream
+    // in the shard-server demo) must not hold the connection, and a
+    // shutdown with no grace, for as long as it runs.
+    let (server, mut raw) = start_with(fast_keepalive).await;
+    send_request(
+        &mut raw,
+        1,
+        "/test.Test/Sleep",
+        None,
+        Bytes::from(60_000u32.to_le_bytes().to_vec()),
+    )
+    .await;
+    let probes = &server.probes;
+    let started = probes
+        .wait_until(Duration::from_secs(10), || {
+            probes.sleeping.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    assert!(started, "the handler never started");
+    drop(raw);
+    let left = Instant::now();
+    let cancelled = probes
+        .wait_until(Duration::from_secs(10), || {
+            probes.cancelled.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    assert!(
+        cancelled,
+        "the departed client's call still runs 10 s after it left"
+    );
+    println!("cancelled {:?} after the client left", left.elapsed());
+    tokio::time::timeout(Duration::from_secs(10), server.stop())
+        .await
+        .expect("the server drained");
 }
 
 #[tokio::test]

@@ -179,10 +179,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             health.set_serving("shard.Model");
             reporters.push(health);
             // Clients watch each replica's health with a stream that never
-            // ends by itself; one whose client left without a word (its
-            // FIN reads as a half-close, and a first write to the closed
-            // socket succeeds) would hold the shutdown forever: after the
-            // grace, calls still running are cancelled.
+            // ends by itself: at shutdown, watchers still connected get
+            // the NOT_SERVING update and, after the grace, their streams
+            // are cancelled.
             let mut builder = rpc_core::Server::builder().shutdown_grace(SHUTDOWN_GRACE);
             if let Some(metrics) = &metrics {
                 builder = builder.intercept(metrics.server());

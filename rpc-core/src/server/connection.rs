@@ -863,14 +863,26 @@ pub(super) async fn serve_connection(
                         tracing::debug!(peer = %conn.peer, "client closed its sending side: finishing its open calls");
                         half_closed = true;
                         conn.end_request_streams();
+                        timer.probe_only();
                     }
                     Ok(Reading::Ended) => break None,
                     Err(violation) => break Some(violation),
                 }
             }
             () = backlog.flush(&*conn.sink), if !backlog.is_empty() => {}
-            // A half-closed client can send no pongs: its calls run under their own deadlines.
-            tick = timer.tick(&received), if timer.enabled() && !half_closed => match tick {
+            tick = timer.tick(&received), if timer.enabled() => match tick {
+                // A half-closed client sends no pongs, and may have left
+                // altogether (a process that exits half-closes its socket
+                // as well): pings probe it, and once one fails to go out,
+                // its calls end, or a call that never ends (a watch
+                // stream) would hold the connection and the server's drain
+                // forever.
+                Tick::Ping if half_closed => {
+                    if let Err(error) = conn.sink.try_send(&OutFrame::control(0, OutBody::Ping, false)) {
+                        tracing::debug!(peer = %conn.peer, "the half-closed client is gone ({error}): ending its calls");
+                        break None;
+                    }
+                }
                 Tick::Ping => {
                     // Never waits: with no room (a dead peer grants none),
                     // the silence goes on and the next tick declares it dead.

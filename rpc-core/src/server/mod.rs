@@ -178,7 +178,10 @@ impl ServerBuilder {
 
     /// After `interval` without a frame from a client, ping it; if nothing
     /// arrives within `timeout` more, close the connection and cancel its
-    /// handlers (defaults 20 s and 20 s).
+    /// handlers (defaults 20 s and 20 s). A client that shut down its
+    /// sending side (or exited: its socket's close reads the same) is pinged
+    /// every `interval` instead, and its handlers are cancelled once a ping
+    /// cannot be written: within a few intervals of its leaving.
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> ServerBuilder {
         self.keepalive = Some(Keepalive { interval, timeout });
         self
