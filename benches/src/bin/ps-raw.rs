@@ -1,6 +1,7 @@
 //! The raw TCP floor of the parameter-server benchmark (`cargo xtask bench
-//! --ps`): the same bytes as `ps-server` / `ps-worker`, with no RPC, no
-//! encoding and no summing.
+//! --ps`): the work of `ps-server` / `ps-worker` (the same bytes between
+//! the same tensors, pushes summed into the shard's), with no RPC and no
+//! encoding.
 //!
 //! ```text
 //! ps-raw server --addr 127.0.0.1:0
@@ -15,15 +16,24 @@
 //! every key (a shard's keys one after the other, the shards at once), a
 //! barrier, then every worker pulls every key the same way. On the wire:
 //!
-//! - push: `b'P'`, the length (u32, little-endian), the payload; the server
-//!   reads it into a buffer of its own and answers one byte;
-//! - pull: `b'G'`, the length wanted; the server answers the length and
-//!   that many bytes (a tensor it holds), which the worker reads into a
-//!   buffer of its own.
+//! - push: `b'P'`, the key and the length (u32s, little-endian), the
+//!   payload; the server reads it into a buffer of that key (one per
+//!   connection and key), adds it to the key's tensor (the loop `ps-server`
+//!   runs) and answers one byte;
+//! - pull: `b'G'`, the key and the length wanted; the server answers the
+//!   length and that many bytes (the key's tensor, one per key shared by
+//!   every connection), which the worker reads into its buffer for that key.
+//!
+//! Every key has buffers of its own on both sides, as the tensors of a
+//! parameter server do: a floor that sent one buffer over and over would
+//! work from the CPU's cache, which K distinct tensors do not fit. And the
+//! floor sums what is pushed, as the server it stands for must: without
+//! either, the ratio would charge the framework for the application's
+//! memory traffic and arithmetic (see docs/benchmarks.md).
 //!
 //! Tuning (what a tuned program would do): `TCP_NODELAY` on every socket;
 //! each push and each pull reply is one `write_all` of a buffer holding the
-//! 5- or 4-byte header and the payload together (built once, before the
+//! 9- or 4-byte header and the payload together (built once, before the
 //! timed rounds, so nothing is copied in user space to send; the kernel
 //! takes it in as large writes as its buffer allows); payloads are read
 //! with `read_exact` straight into their destination, no intermediate
@@ -33,6 +43,7 @@
 //! of each measured round: bytes of every worker over the wall time from
 //! the first worker's start to the last one's end).
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,43 +123,51 @@ async fn serve(addr: &str) -> Result<(), String> {
         .map_err(|e| format!("binding {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     println!("listening on {local}");
+    let tensors = Tensors::default();
     loop {
         let (stream, _) = listener
             .accept()
             .await
             .map_err(|e| format!("accepting: {e}"))?;
+        let tensors = Arc::clone(&tensors);
         tokio::spawn(async move {
             // A worker that goes away simply ends its connection.
-            let _ = shard_connection(stream).await;
+            let _ = shard_connection(stream, &tensors).await;
         });
     }
 }
 
-/// One worker's connection to this shard: pushes read into `pushed`, pulls
-/// answered from `tensor` (length prefix and bytes in one buffer).
-async fn shard_connection(mut stream: TcpStream) -> std::io::Result<()> {
+/// A shard's tensors by key, each with its length prefix in front, as a
+/// pull reply sends it, and a lock of its own: pushes to other keys go on
+/// while one is summed. A pull holds a reference while it writes; a push
+/// sums in place when none does, else into a copy (as `ps-server`).
+type Tensors = Arc<std::sync::Mutex<HashMap<u32, Arc<std::sync::Mutex<Arc<Vec<u8>>>>>>>;
+
+/// One worker's connection to this shard: a push is read into this
+/// connection's buffer for its key and summed into the key's tensor, a
+/// pull answered from the key's tensor.
+async fn shard_connection(mut stream: TcpStream, tensors: &Tensors) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
-    let mut pushed = Vec::new();
-    let mut tensor = Vec::new();
+    let mut pushed: HashMap<u32, Vec<u8>> = HashMap::new();
     loop {
-        let mut head = [0u8; 5];
+        let mut head = [0u8; 9];
         match stream.read_exact(&mut head).await {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        let len = u32::from_le_bytes(head[1..].try_into().expect("4 bytes")) as usize;
+        let key = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(head[5..].try_into().expect("4 bytes")) as usize;
         match head[0] {
             PUSH => {
-                pushed.resize(len, 0);
-                stream.read_exact(&mut pushed).await?;
+                let gradient = pushed.entry(key).or_default();
+                gradient.resize(len, 0);
+                stream.read_exact(gradient).await?;
+                sum_into(tensors, key, gradient);
                 stream.write_all(&[1]).await?;
             }
             PULL => {
-                if tensor.len() != 4 + len {
-                    tensor = vec![0; 4 + len];
-                    tensor[..4].copy_from_slice(&(len as u32).to_le_bytes());
-                }
+                let tensor = Arc::clone(&tensor_of(tensors, key, len).lock().expect("tensor"));
                 stream.write_all(&tensor).await?;
             }
             other => {
@@ -159,6 +178,31 @@ async fn shard_connection(mut stream: TcpStream) -> std::io::Result<()> {
             }
         }
     }
+}
+
+/// Adds `gradient` (little-endian f32s) to the tensor of `key`.
+fn sum_into(tensors: &Tensors, key: u32, gradient: &[u8]) {
+    let tensor = tensor_of(tensors, key, gradient.len());
+    let mut tensor = tensor.lock().expect("tensor");
+    let values = &mut Arc::make_mut(&mut tensor)[4..];
+    for (value, add) in values.chunks_exact_mut(4).zip(gradient.chunks_exact(4)) {
+        let sum = f32::from_le_bytes(value.try_into().expect("4 bytes"))
+            + f32::from_le_bytes(add.try_into().expect("4 bytes"));
+        value.copy_from_slice(&sum.to_le_bytes());
+    }
+}
+
+/// The tensor of `key`, `len` bytes (zeros if it had none or another length).
+fn tensor_of(tensors: &Tensors, key: u32, len: usize) -> Arc<std::sync::Mutex<Arc<Vec<u8>>>> {
+    let tensor = Arc::clone(tensors.lock().expect("tensors").entry(key).or_default());
+    let mut held = tensor.lock().expect("tensor");
+    if held.len() != 4 + len {
+        let mut zeros = vec![0; 4 + len];
+        zeros[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        *held = Arc::new(zeros);
+    }
+    drop(held);
+    tensor
 }
 
 struct Plan {
@@ -173,26 +217,24 @@ struct Plan {
 /// When one worker began and ended one phase of one round.
 type Span = (Instant, Instant);
 
-/// One worker's connection to one shard and its buffers: a push frame
-/// (header and payload) and a pull destination.
+/// One worker's connection to one shard and its buffers, per key of the
+/// shard: a push frame (header and payload) and a pull destination.
 struct ShardLink {
     stream: TcpStream,
-    push_frame: Vec<u8>,
-    pulled: Vec<u8>,
+    push_frames: HashMap<u64, Vec<u8>>,
+    pulled: HashMap<u64, Vec<u8>>,
 }
 
 impl ShardLink {
-    async fn push(&mut self) -> std::io::Result<()> {
-        self.stream.write_all(&self.push_frame).await?;
+    async fn push(&mut self, key: u64) -> std::io::Result<()> {
+        self.stream.write_all(&self.push_frames[&key]).await?;
         let mut ack = [0u8; 1];
         self.stream.read_exact(&mut ack).await?;
         Ok(())
     }
 
-    async fn pull(&mut self, size: usize) -> std::io::Result<()> {
-        let mut request = [PULL, 0, 0, 0, 0];
-        request[1..].copy_from_slice(&(size as u32).to_le_bytes());
-        self.stream.write_all(&request).await?;
+    async fn pull(&mut self, key: u64, size: usize) -> std::io::Result<()> {
+        self.stream.write_all(&head(PULL, key, size)).await?;
         let len = self.stream.read_u32_le().await? as usize;
         if len != size {
             return Err(std::io::Error::new(
@@ -200,30 +242,47 @@ impl ShardLink {
                 format!("pulled {len} bytes, asked for {size}"),
             ));
         }
-        self.stream.read_exact(&mut self.pulled).await?;
+        let destination = self.pulled.get_mut(&key).expect("a buffer per key");
+        self.stream.read_exact(destination).await?;
         Ok(())
     }
 }
 
+/// An operation's 9-byte header: the operation, the key, the length.
+fn head(operation: u8, key: u64, len: usize) -> [u8; 9] {
+    let mut head = [operation, 0, 0, 0, 0, 0, 0, 0, 0];
+    head[1..5].copy_from_slice(&(key as u32).to_le_bytes());
+    head[5..].copy_from_slice(&(len as u32).to_le_bytes());
+    head
+}
+
 async fn work(plan: Arc<Plan>) -> Result<(), String> {
-    if plan.size > u32::MAX as usize {
-        return Err("--size must fit in 32 bits".into());
+    if plan.size > u32::MAX as usize || plan.keys > u32::MAX as u64 {
+        return Err("--size and --keys must fit in 32 bits".into());
     }
     let mut workers = Vec::new();
+    let shards = plan.shards.len() as u64;
     for _ in 0..plan.workers {
         let mut links = Vec::new();
-        for addr in &plan.shards {
+        for (shard, addr) in plan.shards.iter().enumerate() {
             let stream = TcpStream::connect(addr)
                 .await
                 .map_err(|e| format!("connecting to {addr}: {e}"))?;
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
-            let mut push_frame = vec![0u8; 5 + plan.size];
-            push_frame[0] = PUSH;
-            push_frame[1..5].copy_from_slice(&(plan.size as u32).to_le_bytes());
+            let keys = (0..plan.keys).filter(|k| k % shards == shard as u64);
+            let push_frames = keys
+                .clone()
+                .map(|k| {
+                    let mut frame = head(PUSH, k, plan.size).to_vec();
+                    frame.resize(9 + plan.size, 0);
+                    (k, frame)
+                })
+                .collect();
+            let pulled = keys.map(|k| (k, vec![0; plan.size])).collect();
             links.push(Mutex::new(ShardLink {
                 stream,
-                push_frame,
-                pulled: vec![0; plan.size],
+                push_frames,
+                pulled,
             }));
         }
         workers.push(links);
@@ -289,8 +348,8 @@ async fn run_worker(
         let push_started = Instant::now();
         let pushed = try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
             let mut link = link.lock().await;
-            for _ in keys_of(shard) {
-                link.push().await?;
+            for k in keys_of(shard) {
+                link.push(k).await?;
             }
             Ok::<_, std::io::Error>(())
         }))
@@ -302,8 +361,8 @@ async fn run_worker(
         let pull_started = Instant::now();
         try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
             let mut link = link.lock().await;
-            for _ in keys_of(shard) {
-                link.pull(plan.size).await?;
+            for k in keys_of(shard) {
+                link.pull(k, plan.size).await?;
             }
             Ok::<_, std::io::Error>(())
         }))
