@@ -5,8 +5,9 @@
 //! channel to each of 2 shards.
 //!
 //! - **TCP** (loopback, on the host): against `ps-raw` (crate `benches`), a
-//!   raw TCP program moving the same bytes with the same connections and
-//!   the same order of requests (see its docs for how it is tuned), the
+//!   raw TCP program doing the same work (the same bytes between per-key
+//!   buffers, pushes summed) with the same connections and the same order of
+//!   requests (see its docs for how it is tuned), the
 //!   two taking turns run by run.
 //! - **RDMA** (one Soft-RoCE guest boot, [`guest_script`]): per size,
 //!   `ib_write_bw` and `ib_read_bw` at that message size through
@@ -805,10 +806,13 @@ fn report(
          one key per shard. Release builds; every process a default multi-threaded tokio \
          runtime; `transport-rdma` and `transport-tcp` at their defaults.\n\
          - TCP floor: `ps-raw server` ×2 and `ps-raw worker` with the same arguments (same \
-         connections, keys, order and barriers; push: a 5-byte header and the tensor in one \
-         `write_all`, a 1-byte acknowledgement; pull: a 5-byte request, the length and the \
-         tensor in one `write_all`; `TCP_NODELAY`; `read_exact` straight into the destination; \
-         no encoding and no summing), the two systems taking turns run by run.\n\
+         connections, keys, order and barriers; every key a buffer of its own on both sides, \
+         as a parameter server's tensors; push: a 9-byte header and the tensor in one \
+         `write_all`, read into the server's buffer for the key, summed into the key's tensor \
+         with `ps-server`'s loop, a 1-byte acknowledgement; pull: a 9-byte request, the length \
+         and the key's tensor in one `write_all`, read into the worker's buffer for the key; \
+         `TCP_NODELAY`; `read_exact` straight into the destination; no encoding), the two \
+         systems taking turns run by run.\n\
          - RDMA: per size, perftest first (server and client in the guest, `-R -F`; \
          {perftest}; {rounds} round(s) each), then rdma-rpc on `rdma://10.77.0.1:0` per \
          worker count: {modes}.\n\
