@@ -258,6 +258,61 @@ pub async fn zero_timeout_fails_at_once_without_sending(listen: String, _profile
     server.stop().await;
 }
 
+pub async fn a_client_that_half_closes_after_its_request_still_gets_the_reply(
+    listen: String,
+    _profile: &Profile,
+) {
+    use rpc_core::frame::{Frame, FrameBody, OutBody, OutFrame};
+    use rpc_core::transport::{self, FrameLimits};
+    let server = TestServer::start(&listen, |b| b).await;
+    // A connection of the transport itself, below rpc-core's client: it
+    // sends one request and closes its sending side at once.
+    let (scheme, authority) = transport::split_address(&server.address).expect("an address");
+    let mut conn = transport::lookup(scheme)
+        .expect("the suite registered its transport")
+        .connect(authority, FrameLimits { max_frame_len: 1 << 20 })
+        .await
+        .expect("connects");
+    let metadata = rpc_core::MetadataMap::new();
+    let request = sleep_request(200);
+    let body = OutBody::Request {
+        method: "/test.Test/Sleep",
+        timeout: None,
+        metadata: &metadata,
+    };
+    let frame = OutFrame::new(1, body, Some(&request), true).expect("a frame");
+    conn.sink.send(&frame).await.expect("sends");
+    conn.sink.close();
+    // The handler is still running when the server reads the end of the
+    // client's side: it must run to its end and its answer arrive.
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let frame = conn
+                .source
+                .recv()
+                .await
+                .expect("reads")
+                .expect("the answer before the server closes");
+            let frame = Frame::decode(frame).expect("a valid frame");
+            if let (FrameBody::Status(status), 1) = (frame.body, frame.call_id) {
+                return (status, frame.payload);
+            }
+        }
+    })
+    .await
+    .expect("the server answered");
+    assert_eq!(answer.0.code(), Code::Ok, "{}", answer.0);
+    assert_eq!(answer.1.as_deref(), Some(&b"slept"[..]));
+    assert_eq!(server.probes.cancelled.load(Ordering::SeqCst), 0);
+    // Then the server ends the connection, its calls all answered.
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Ok(Some(_)) = conn.source.recv().await {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the server kept the half-closed connection open");
+    server.stop().await;
+}
+
 pub async fn dropping_the_call_cancels_the_handler(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
@@ -1022,6 +1077,7 @@ macro_rules! for_each_case {
             thousands_of_concurrent_calls_on_one_channel_none_mixed_up,
             deadline_fails_the_call_and_cancels_the_handler,
             zero_timeout_fails_at_once_without_sending,
+            a_client_that_half_closes_after_its_request_still_gets_the_reply,
             dropping_the_call_cancels_the_handler,
             a_caller_that_read_for_itself_and_gave_up_hands_reading_back,
             bursts_after_a_lone_call_are_read,
