@@ -270,7 +270,12 @@ pub async fn a_client_that_half_closes_after_its_request_still_gets_the_reply(
     let (scheme, authority) = transport::split_address(&server.address).expect("an address");
     let mut conn = transport::lookup(scheme)
         .expect("the suite registered its transport")
-        .connect(authority, FrameLimits { max_frame_len: 1 << 20 })
+        .connect(
+            authority,
+            FrameLimits {
+                max_frame_len: 1 << 20,
+            },
+        )
         .await
         .expect("connects");
     let metadata = rpc_core::MetadataMap::new();
@@ -309,7 +314,10 @@ pub async fn a_client_that_half_closes_after_its_request_still_gets_the_reply(
         while let Ok(Some(_)) = conn.source.recv().await {}
     })
     .await;
-    assert!(ended.is_ok(), "the server kept the half-closed connection open");
+    assert!(
+        ended.is_ok(),
+        "the server kept the half-closed connection open"
+    );
     server.stop().await;
 }
 
