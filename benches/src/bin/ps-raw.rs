@@ -123,7 +123,7 @@ async fn serve(addr: &str) -> Result<(), String> {
         .map_err(|e| format!("binding {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     println!("listening on {local}");
-    let tensors = Tensors::default();
+    let tensors = Arc::new(Tensors::default());
     loop {
         let (stream, _) = listener
             .accept()
@@ -137,11 +137,42 @@ async fn serve(addr: &str) -> Result<(), String> {
     }
 }
 
-/// A shard's tensors by key, each with its length prefix in front, as a
-/// pull reply sends it, and a lock of its own: pushes to other keys go on
-/// while one is summed. A pull holds a reference while it writes; a push
-/// sums in place when none does, else into a copy (as `ps-server`).
-type Tensors = Arc<std::sync::Mutex<HashMap<u32, Arc<std::sync::Mutex<Arc<Vec<u8>>>>>>>;
+/// A tensor with its length prefix in front, as a pull reply sends it. A
+/// pull holds a reference while it writes; a push sums in place when none
+/// does, else into a copy (as `ps-server`).
+type Tensor = Arc<Vec<u8>>;
+
+/// A shard's tensors by key, each behind a lock of its own: pushes to other
+/// keys go on while one is summed.
+#[derive(Default)]
+struct Tensors(std::sync::Mutex<HashMap<u32, Arc<std::sync::Mutex<Tensor>>>>);
+
+impl Tensors {
+    /// The tensor of `key`, `len` bytes (zeros if it had none or another length).
+    fn get(&self, key: u32, len: usize) -> Arc<std::sync::Mutex<Tensor>> {
+        let tensor = Arc::clone(self.0.lock().expect("tensors").entry(key).or_default());
+        let mut held = tensor.lock().expect("tensor");
+        if held.len() != 4 + len {
+            let mut zeros = vec![0; 4 + len];
+            zeros[..4].copy_from_slice(&(len as u32).to_le_bytes());
+            *held = Arc::new(zeros);
+        }
+        drop(held);
+        tensor
+    }
+
+    /// Adds `gradient` (little-endian f32s) to the tensor of `key`.
+    fn sum_into(&self, key: u32, gradient: &[u8]) {
+        let tensor = self.get(key, gradient.len());
+        let mut tensor = tensor.lock().expect("tensor");
+        let values = &mut Arc::make_mut(&mut tensor)[4..];
+        for (value, add) in values.chunks_exact_mut(4).zip(gradient.chunks_exact(4)) {
+            let sum = f32::from_le_bytes(value.try_into().expect("4 bytes"))
+                + f32::from_le_bytes(add.try_into().expect("4 bytes"));
+            value.copy_from_slice(&sum.to_le_bytes());
+        }
+    }
+}
 
 /// One worker's connection to this shard: a push is read into this
 /// connection's buffer for its key and summed into the key's tensor, a
@@ -163,11 +194,11 @@ async fn shard_connection(mut stream: TcpStream, tensors: &Tensors) -> std::io::
                 let gradient = pushed.entry(key).or_default();
                 gradient.resize(len, 0);
                 stream.read_exact(gradient).await?;
-                sum_into(tensors, key, gradient);
+                tensors.sum_into(key, gradient);
                 stream.write_all(&[1]).await?;
             }
             PULL => {
-                let tensor = Arc::clone(&tensor_of(tensors, key, len).lock().expect("tensor"));
+                let tensor = Arc::clone(&tensors.get(key, len).lock().expect("tensor"));
                 stream.write_all(&tensor).await?;
             }
             other => {
@@ -178,31 +209,6 @@ async fn shard_connection(mut stream: TcpStream, tensors: &Tensors) -> std::io::
             }
         }
     }
-}
-
-/// Adds `gradient` (little-endian f32s) to the tensor of `key`.
-fn sum_into(tensors: &Tensors, key: u32, gradient: &[u8]) {
-    let tensor = tensor_of(tensors, key, gradient.len());
-    let mut tensor = tensor.lock().expect("tensor");
-    let values = &mut Arc::make_mut(&mut tensor)[4..];
-    for (value, add) in values.chunks_exact_mut(4).zip(gradient.chunks_exact(4)) {
-        let sum = f32::from_le_bytes(value.try_into().expect("4 bytes"))
-            + f32::from_le_bytes(add.try_into().expect("4 bytes"));
-        value.copy_from_slice(&sum.to_le_bytes());
-    }
-}
-
-/// The tensor of `key`, `len` bytes (zeros if it had none or another length).
-fn tensor_of(tensors: &Tensors, key: u32, len: usize) -> Arc<std::sync::Mutex<Arc<Vec<u8>>>> {
-    let tensor = Arc::clone(tensors.lock().expect("tensors").entry(key).or_default());
-    let mut held = tensor.lock().expect("tensor");
-    if held.len() != 4 + len {
-        let mut zeros = vec![0; 4 + len];
-        zeros[..4].copy_from_slice(&(len as u32).to_le_bytes());
-        *held = Arc::new(zeros);
-    }
-    drop(held);
-    tensor
 }
 
 struct Plan {
