@@ -220,6 +220,14 @@ struct Plan {
     warmup_rounds: u64,
 }
 
+impl Plan {
+    /// The keys shard `shard` holds: key `k` goes to shard `k % shards`.
+    fn keys_of(&self, shard: usize) -> impl Iterator<Item = u64> + Clone + '_ {
+        let shards = self.shards.len() as u64;
+        (0..self.keys).filter(move |k| k % shards == shard as u64)
+    }
+}
+
 /// When one worker began and ended one phase of one round.
 type Span = (Instant, Instant);
 
@@ -267,7 +275,6 @@ async fn work(plan: Arc<Plan>) -> Result<(), String> {
         return Err("--size and --keys must fit in 32 bits".into());
     }
     let mut workers = Vec::new();
-    let shards = plan.shards.len() as u64;
     for _ in 0..plan.workers {
         let mut links = Vec::new();
         for (shard, addr) in plan.shards.iter().enumerate() {
@@ -275,7 +282,7 @@ async fn work(plan: Arc<Plan>) -> Result<(), String> {
                 .await
                 .map_err(|e| format!("connecting to {addr}: {e}"))?;
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
-            let keys = (0..plan.keys).filter(|k| k % shards == shard as u64);
+            let keys = plan.keys_of(shard);
             let push_frames = keys
                 .clone()
                 .map(|k| {
@@ -346,15 +353,13 @@ async fn run_worker(
     barrier: &Barrier,
     links: &[Mutex<ShardLink>],
 ) -> Result<Vec<(Span, Span)>, String> {
-    let shards = links.len() as u64;
-    let keys_of = |shard: usize| (0..plan.keys).filter(move |k| k % shards == shard as u64);
     let mut spans = Vec::new();
     for _ in 0..plan.warmup_rounds + plan.rounds {
         barrier.wait().await;
         let push_started = Instant::now();
         let pushed = try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
             let mut link = link.lock().await;
-            for k in keys_of(shard) {
+            for k in plan.keys_of(shard) {
                 link.push(k).await?;
             }
             Ok::<_, std::io::Error>(())
@@ -367,7 +372,7 @@ async fn run_worker(
         let pull_started = Instant::now();
         try_join_all(links.iter().enumerate().map(|(shard, link)| async move {
             let mut link = link.lock().await;
-            for k in keys_of(shard) {
+            for k in plan.keys_of(shard) {
                 link.pull(k, plan.size).await?;
             }
             Ok::<_, std::io::Error>(())
