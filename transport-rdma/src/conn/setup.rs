@@ -35,8 +35,8 @@ use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_
 use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CmId, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
-    QpCapabilities, QueuePair, SendBatch,
+    Access, CmId, CompletionBatch, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion,
+    ProtectionDomain, QpCapabilities, QueuePair, SendBatch,
 };
 use crate::RdmaTransport;
 
@@ -445,6 +445,7 @@ impl Established {
             spares: Default::default(),
             posting: false,
             batch: SendBatch::default(),
+            completed: CompletionBatch::new(),
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),

@@ -20,8 +20,8 @@ use crate::proto::{
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion, SendBatch,
-    WorkCompletion,
+    Access, CompletionBatch, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair,
+    RemoteRegion, SendBatch, WorkCompletion,
 };
 
 pub(super) struct Buffers {
@@ -179,6 +179,8 @@ pub(super) struct State {
     pub(super) posting: bool,
     /// The posting thread's batch, kept for its allocation.
     pub(super) batch: SendBatch,
+    /// Room for polled completions, kept for its allocation (and zeroing).
+    pub(super) completed: CompletionBatch,
 }
 
 /// A rendezvous destination: registered memory for local write only (the
@@ -298,6 +300,8 @@ pub(super) struct Shared {
     pub(super) state: DropLater<Mutex<State>>,
     pub(super) cq: DropLater<CompletionQueue>,
     pub(super) mem: DropLater<Buffers>,
+    /// Ring slots whose frames the application dropped, for the driver to
+    /// repost.
     pub(super) released: Mutex<Vec<u32>>,
     /// Rendezvous frames the application dropped while the state was
     /// busy: their lengths and destinations, for the driver.
@@ -716,10 +720,9 @@ impl State {
     /// are handled in the device's order whoever polls (the driver, or a
     /// receiver looking for its next frame).
     pub(super) fn drain_cq(&mut self, cq: &CompletionQueue, mem: &Buffers) -> usize {
-        let mut batch = [WorkCompletion::default(); 32];
         let mut total = 0;
         loop {
-            let n = match cq.poll_batch(&mut batch) {
+            let n = match cq.poll_batch(&mut self.completed) {
                 Ok(n) => n,
                 Err(e) => {
                     self.fail(format!("polling the completion queue: {e}"));
@@ -728,10 +731,11 @@ impl State {
             };
             total += n;
             self.completions += n as u64;
-            for wc in &batch[..n] {
-                self.on_completion(mem, wc);
+            for i in 0..n {
+                let wc = self.completed.get(i);
+                self.on_completion(mem, &wc);
             }
-            if n < batch.len() {
+            if !self.completed.is_full() {
                 if total > 0 {
                     self.flush(mem);
                 }

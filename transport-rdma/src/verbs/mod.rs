@@ -56,7 +56,7 @@ pub use async_event::{
 };
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub(crate) use cm::{Event as CmEventRecord, SharedCmId};
-pub use cq::{CompletionChannel, CompletionQueue, WorkCompletion};
+pub use cq::{CompletionBatch, CompletionChannel, CompletionQueue, WorkCompletion};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
