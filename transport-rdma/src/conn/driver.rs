@@ -2,11 +2,8 @@
 //! and released slots in; it ends when the connection failed or both
 //! halves are dropped and everything was sent.
 
-use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
-use std::pin::pin;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rpc_core::transport::{Connection, FrameLimits, TransportError};
@@ -130,50 +127,27 @@ fn drain_cq(shared: &Shared) -> usize {
     shared.lock().drain_cq(&shared.cq, &shared.mem)
 }
 
-/// Handles every completion waiting in the CQ, reposts the slots the
-/// application released and gives the pool back the rendezvous frames it
-/// dropped, under one lock; returns how many completions. `released` is
-/// the driver's empty vector, swapped with the connection's so that both
-/// keep their allocations.
-fn drain_and_repost(shared: &Shared, released: &mut Vec<u32>) -> usize {
-    std::mem::swap(
-        released,
-        &mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()),
-    );
+/// Reposts the slots the application released, and gives the pool back
+/// the rendezvous frames it dropped.
+fn repost_released(shared: &Shared) {
+    let released = std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
     let pooled = std::mem::take(
         &mut *shared
             .pool_released
             .lock()
             .unwrap_or_else(|e| e.into_inner()),
     );
-    let mut st = shared.lock();
-    let drained = st.drain_cq(&shared.cq, &shared.mem);
     if released.is_empty() && pooled.is_empty() {
-        return drained;
+        return;
     }
-    for slot in released.drain(..) {
+    let mut st = shared.lock();
+    for slot in released {
         st.proto.handle_released(slot);
     }
     for (len, destination) in pooled {
         st.release_destination(len, destination);
     }
     st.flush(&shared.mem);
-    drained
-}
-
-/// What woke the driver.
-enum Woken {
-    /// The completion channel is readable (its readiness cleared), or
-    /// waiting for it failed.
-    Completions(std::io::Result<()>),
-    /// The connection manager's channel is readable (likewise).
-    CmEvents(std::io::Result<()>),
-    /// A half asked (`Shared::wake_task`).
-    Asked,
-    /// The keepalive period passed.
-    Keepalive,
-    /// Time to look at a lingering connection again.
-    Linger,
 }
 
 /// The connection's driver: completions, connection-manager events,
@@ -182,9 +156,8 @@ enum Woken {
 async fn drive(shared: Arc<Shared>, mut d: Driver) {
     // Once both halves are dropped, what was sent still goes out (and our
     // `Close` after it) while the peer takes it; a peer that takes nothing
-    // for `LINGER` is given up on, looked at every `LINGER_CHECK`.
+    // for `LINGER` is given up on.
     const LINGER: Duration = Duration::from_secs(5);
-    const LINGER_CHECK: Duration = Duration::from_millis(50);
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
     let mut keepalive = d.keepalive.map(|period| {
@@ -195,16 +168,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
-    // What the driver waits on lives across its rounds: a `select!` over
-    // new futures each round (several per call, one per completion event)
-    // built, moved and dropped them all every time.
-    let mut linger_check = pin!(tokio::time::sleep(LINGER_CHECK));
-    let mut linger_armed = false;
-    // Borrows `shared` for the loop only: it goes to the teardown after.
-    let mut asked = Box::pin(shared.wake_task.notified());
-    let mut released = Vec::new();
     loop {
-        let drained = drain_and_repost(&shared, &mut released);
+        let drained = drain_cq(&shared);
+        repost_released(&shared);
         if drained > 0 {
             // The tasks just woken (a receiver whose frame arrived, senders
             // given room) wait in this worker's LIFO slot, which no other
@@ -234,88 +200,58 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 }
             }
         }
-        if linger_since.is_some() && !linger_armed {
-            linger_check
-                .as_mut()
-                .reset(tokio::time::Instant::now() + LINGER_CHECK);
-            linger_armed = true;
-        }
-        // The connection manager's channel first: it is rarely ready, so
-        // a stream of completions cannot keep its events waiting.
-        let woken = std::future::poll_fn(|cx| {
-            if let Poll::Ready(ready) = d.cm_fd.poll_read_ready(cx) {
-                return Poll::Ready(Woken::CmEvents(ready.map(|mut g| g.clear_ready())));
+        let linger = async {
+            if linger_since.is_some() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            } else {
+                std::future::pending::<()>().await;
             }
-            if let Poll::Ready(ready) = d.cq_fd.poll_read_ready(cx) {
-                return Poll::Ready(Woken::Completions(ready.map(|mut g| g.clear_ready())));
-            }
-            if asked.as_mut().poll(cx).is_ready() {
-                asked.set(shared.wake_task.notified());
-                return Poll::Ready(Woken::Asked);
-            }
-            if let Some(ticks) = keepalive.as_mut() {
-                if ticks.poll_tick(cx).is_ready() {
-                    return Poll::Ready(Woken::Keepalive);
+        };
+        tokio::select! {
+            ready = d.cq_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for completions: {e}")); continue; }
                 }
-            }
-            if linger_armed && linger_check.as_mut().poll(cx).is_ready() {
-                linger_armed = false;
-                return Poll::Ready(Woken::Linger);
-            }
-            Poll::Pending
-        })
-        .await;
-        match woken {
-            Woken::Completions(Err(e)) => {
-                shared.lock().fail(format!("waiting for completions: {e}"));
-            }
-            Woken::Completions(Ok(())) => {
                 loop {
                     match d.cq_fd.get_ref().0.try_take_event() {
                         Ok(true) => {}
                         Ok(false) => break,
-                        Err(e) => {
-                            shared
-                                .lock()
-                                .fail(format!("reading the completion channel: {e}"));
-                            break;
-                        }
+                        Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
                     }
                 }
                 if let Err(e) = shared.cq.arm() {
-                    shared
-                        .lock()
-                        .fail(format!("arming the completion queue: {e}"));
+                    shared.lock().fail(format!("arming the completion queue: {e}"));
                 }
             }
-            Woken::CmEvents(Err(e)) => {
-                shared.lock().fail(format!("waiting for CM events: {e}"));
-            }
-            Woken::CmEvents(Ok(())) => loop {
-                match d.cm_fd.get_ref().0.channel().try_event() {
-                    Ok(Some(event)) if event.ends_connection() => {
-                        // What the peer sent before it went is in the CQ:
-                        // take it first (its `Close`, its last frames).
-                        drain_cq(&shared);
-                        // Orderly if the peer said Close first (what
-                        // arrived before it is still delivered); else a
-                        // failure.
-                        let mut st = shared.lock();
-                        st.proto
-                            .handle_disconnected(&format!("{}: {}", shared.peer, event.name()));
-                        st.wake();
-                    }
-                    Ok(Some(_)) => {}
-                    Ok(None) => break,
-                    Err(e) => {
-                        shared.lock().fail(format!("reading CM events: {e}"));
-                        break;
+            ready = d.cm_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for CM events: {e}")); continue; }
+                }
+                loop {
+                    match d.cm_fd.get_ref().0.channel().try_event() {
+                        Ok(Some(event)) if event.ends_connection() => {
+                            // What the peer sent before it went is in the CQ:
+                            // take it first (its `Close`, its last frames).
+                            drain_cq(&shared);
+                            // Orderly if the peer said Close first (what
+                            // arrived before it is still delivered); else a
+                            // failure.
+                            let mut st = shared.lock();
+                            st.proto.handle_disconnected(&format!("{}: {}", shared.peer, event.name()));
+                            st.wake();
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(e) => { shared.lock().fail(format!("reading CM events: {e}")); break; }
                     }
                 }
-            },
-            Woken::Asked | Woken::Linger => {}
-            Woken::Keepalive => {
-                let period = keepalive.as_ref().expect("it ticked").period();
+            }
+            () = shared.wake_task.notified() => {}
+            () = linger => {}
+            _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
+                let period = keepalive.as_ref().expect("checked").period();
                 let mut st = shared.lock();
                 if std::mem::replace(&mut seen_at_tick, st.completions) != st.completions {
                     probe_unanswered = false;
@@ -329,10 +265,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                     // Nothing completed for a whole period: ask the peer's
                     // device. (Not if the probe must wait for a credit: a
                     // peer that grants none is alive, only slow to read.)
-                    tracing::debug!(
-                        "{}: nothing completed for {period:?}: keepalive probe",
-                        shared.peer
-                    );
+                    tracing::debug!("{}: nothing completed for {period:?}: keepalive probe", shared.peer);
                     st.proto.probe();
                     st.flush(&shared.mem);
                     probe_unanswered = !st.proto.probe_pending();
@@ -340,7 +273,6 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
         }
     }
-    drop(asked);
     let _ = d.cm_fd.get_mut().0.disconnect();
     // Wake whoever waits: they see the failure (or the end).
     let mut st = shared.lock();
