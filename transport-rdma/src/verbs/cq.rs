@@ -347,3 +347,26 @@ impl Drop for CqInner {
         unsafe { ffi::ibv_destroy_cq(self.raw.as_ptr()) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_hands_out_what_the_last_poll_wrote_and_nothing_past_it() {
+        let mut batch = CompletionBatch::new();
+        assert!(!batch.is_full());
+        assert!(std::panic::catch_unwind(|| batch.get(0)).is_err());
+        // As `poll_batch` leaves it after a poll that returned two.
+        batch.raw[0].wr_id = 7;
+        batch.raw[1].wr_id = 9;
+        batch.raw[1].byte_len = 32;
+        batch.raw[2].wr_id = 11; // a stale entry from an earlier poll
+        batch.len = 2;
+        assert_eq!(batch.get(0).wr_id, 7);
+        assert_eq!((batch.get(1).wr_id, batch.get(1).byte_len), (9, 32));
+        assert!(std::panic::catch_unwind(|| batch.get(2)).is_err());
+        batch.len = CompletionBatch::CAPACITY;
+        assert!(batch.is_full());
+    }
+}
