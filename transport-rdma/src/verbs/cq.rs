@@ -169,13 +169,7 @@ impl CompletionBatch {
 
     /// Completion `i` of the last poll (`i` below what it returned).
     pub fn get(&self, i: usize) -> WorkCompletion {
-        let wc = &self.raw[..self.len][i];
-        WorkCompletion {
-            wr_id: wc.wr_id,
-            opcode: wc.opcode,
-            byte_len: wc.byte_len,
-            status: wc.status,
-        }
+        WorkCompletion::of(&self.raw[..self.len][i])
     }
 }
 
@@ -186,6 +180,16 @@ impl Default for CompletionBatch {
 }
 
 impl WorkCompletion {
+    /// The fields the layer uses of a polled `ibv_wc`.
+    fn of(wc: &ffi::ibv_wc) -> WorkCompletion {
+        WorkCompletion {
+            wr_id: wc.wr_id,
+            opcode: wc.opcode,
+            byte_len: wc.byte_len,
+            status: wc.status,
+        }
+    }
+
     /// True when the work request succeeded.
     pub fn is_ok(&self) -> bool {
         self.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
@@ -312,12 +316,7 @@ impl CompletionQueue {
                 vendor_err: wc.vendor_err,
             });
         }
-        Ok(Some(WorkCompletion {
-            wr_id: wc.wr_id,
-            opcode: wc.opcode,
-            byte_len: wc.byte_len,
-            status: wc.status,
-        }))
+        Ok(Some(WorkCompletion::of(&wc)))
     }
 
     /// Polls until a completion arrives or `timeout` passes (sleeping a
