@@ -168,10 +168,28 @@ pub trait FrameSource: Send + 'static {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>>;
 }
 
+/// Polls `op` as one unit of the task's tokio budget: once the task has
+/// used its budget, `Pending` (the task is woken at once and runs again
+/// after the worker's other tasks) instead of `op`.
+///
+/// tokio's own sockets and channels do this; a transport's halves are not
+/// tokio resources, so `send` and `recv` do it for them. Without it a
+/// handler streaming from an always-ready source to a reader as fast as
+/// itself never returned `Pending`, and its worker ran nothing else: a
+/// connection's driver task parked on that worker stalled the connection
+/// for good (`link_down`, two Soft-RoCE guests).
+fn cooperatively<T>(cx: &mut Context<'_>, op: impl FnOnce(&mut Context<'_>) -> Poll<T>) -> Poll<T> {
+    let budget = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+    let result = std::task::ready!(op(cx));
+    budget.made_progress();
+    Poll::Ready(result)
+}
+
 impl dyn FrameSink {
-    /// Sends `frame`, waiting while the transport has no room.
+    /// Sends `frame`, waiting while the transport has no room. Each frame
+    /// counts against the task's tokio budget, as a socket write does.
     pub async fn send(&self, frame: &OutFrame<'_>) -> Result<(), TransportError> {
-        std::future::poll_fn(|cx| self.poll_send(cx, frame)).await
+        std::future::poll_fn(|cx| cooperatively(cx, |cx| self.poll_send(cx, frame))).await
     }
 
     /// Sends `frame` only if the transport takes it at once; `Ok(false)`
@@ -189,9 +207,10 @@ impl dyn FrameSink {
 }
 
 impl dyn FrameSource {
-    /// Receives the next frame.
+    /// Receives the next frame. Each frame counts against the task's tokio
+    /// budget, as a socket read does.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, TransportError> {
-        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+        std::future::poll_fn(|cx| cooperatively(cx, |cx| self.poll_recv(cx))).await
     }
 }
 
@@ -296,4 +315,54 @@ pub fn registered_schemes() -> Vec<&'static str> {
 pub fn split_address(address: &str) -> Option<(&str, &str)> {
     let (scheme, authority) = address.split_once("://")?;
     (!scheme.is_empty() && !authority.is_empty()).then_some((scheme, authority))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::frame::OutBody;
+
+    /// A sink with room for every frame, at once.
+    struct AlwaysRoom;
+
+    impl FrameSink for AlwaysRoom {
+        fn poll_send(
+            &self,
+            _: &mut Context<'_>,
+            _: &OutFrame<'_>,
+        ) -> Poll<Result<(), TransportError>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn close(&self) {}
+    }
+
+    /// A task sending frame after frame to a transport that always has room
+    /// still lets the other tasks of its thread run: `send` yields once the
+    /// task's budget is spent, as a socket write would.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_sender_that_never_waits_for_room_still_yields() {
+        let other_ran = Arc::new(AtomicBool::new(false));
+        let other = tokio::spawn({
+            let other_ran = Arc::clone(&other_ran);
+            async move { other_ran.store(true, Ordering::SeqCst) }
+        });
+        let sink: Arc<dyn FrameSink> = Arc::new(AlwaysRoom);
+        let frame = OutFrame::control(1, OutBody::Message, false);
+        // tokio's budget is 128 units a poll: ten times that.
+        for _ in 0..1280 {
+            sink.send(&frame).await.unwrap();
+            if other_ran.load(Ordering::SeqCst) {
+                break;
+            }
+        }
+        assert!(
+            other_ran.load(Ordering::SeqCst),
+            "1,280 sends in a row never yielded to the thread's other task"
+        );
+        other.await.unwrap();
+    }
 }

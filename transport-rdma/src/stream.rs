@@ -194,6 +194,17 @@ impl RdmaReadHalf {
         if let Some((kind, message)) = &self.failed {
             return Poll::Ready(Err(io::Error::new(*kind, message.clone())));
         }
+        // Each message counts against the task's tokio budget, as a
+        // socket read does: a reader of a peer as fast as itself still
+        // lets its worker's other tasks run.
+        let budget = ready!(tokio::task::coop::poll_proceed(cx));
+        let received = ready!(self.poll_source(cx));
+        budget.made_progress();
+        Poll::Ready(received)
+    }
+
+    /// The next non-empty message from the connection, or its end.
+    fn poll_source(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Bytes>>> {
         loop {
             match ready!(self.source.poll_recv(cx)) {
                 Ok(Some(bytes)) if bytes.is_empty() => continue,
@@ -260,6 +271,8 @@ impl RdmaWriteHalf {
         if len == 0 {
             return Poll::Ready(Ok(0));
         }
+        // As a socket write does (see `poll_recv_bytes`).
+        let budget = ready!(tokio::task::coop::poll_proceed(cx));
         let sent = self.sink.poll_send_with(cx, len, None, None, |dst| {
             let mut left = len;
             for b in bufs {
@@ -271,7 +284,9 @@ impl RdmaWriteHalf {
                 }
             }
         });
-        Poll::Ready(ready!(sent).map(|()| len).map_err(to_io_error))
+        let sent = ready!(sent);
+        budget.made_progress();
+        Poll::Ready(sent.map(|()| len).map_err(to_io_error))
     }
 }
 
