@@ -504,7 +504,11 @@ async fn child_link_down() {
                 .load(Ordering::SeqCst)
                 == CALLS)
             .await,
-        "the sleeping calls never all reached the server"
+        "the sleeping calls never all reached the server: {} of {CALLS} in 30 s (the stream \
+         produced {}); the connections:\n{}",
+        probes.sleeping.load(Ordering::SeqCst),
+        probes.produced.load(Ordering::SeqCst),
+        transport_rdma::debug_dump()
     );
     let cut = Instant::now();
     link.down();

@@ -1927,8 +1927,8 @@ impl Connection {
     pub fn summary(&self) -> String {
         format!(
             "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} heap_queued {} \
-             in_flight {} writer_in_use {} | ring held {} outstanding {} pending {} arrived {} \
-             reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
+             in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
+             fresh {} arrived {} reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
              pool {} dones {} | {:?}",
             self.credits.available(),
             self.queue.len(),
@@ -1945,9 +1945,12 @@ impl Connection {
             self.heap_queued,
             self.in_flight,
             self.writer.in_use(),
+            self.ring.slots(),
+            self.ring_slots,
             self.ring.held(),
             self.ring.outstanding(),
-            self.ring.pending(),
+            self.ring.pending() - self.ring.fresh(),
+            self.ring.fresh(),
             self.arrived.len(),
             self.reader.wants_report(),
             self.peer_region,
