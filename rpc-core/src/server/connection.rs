@@ -208,7 +208,11 @@ impl ServerConn {
                 OutFrame::control(id, OutBody::Status(&fallback), false)
             }
         };
-        if let Err(error) = self.sink.send(&frame).await {
+        // The call's last frame: not charged to the task's budget as
+        // `send` is (a kept handler task charges it between calls), which
+        // saves ~70 instructions a unary call.
+        let sent = std::future::poll_fn(|cx| self.sink.poll_send(cx, &frame)).await;
+        if let Err(error) = sent {
             tracing::debug!(peer = %self.peer, "final status not sent: {error}");
         }
         if let Some((path, started)) = observed {
