@@ -400,11 +400,18 @@ async fn concurrent_authenticated_connects_from_one_host_all_get_in() {
     });
     let client = with_secret(key);
     let connects = (0..AT_ONCE).map(|_| client.connect_stream(&addr));
-    for (i, stream) in futures::future::join_all(connects)
-        .await
-        .into_iter()
-        .enumerate()
-    {
+    let connected = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        futures::future::join_all(connects),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "{AT_ONCE} connects at once not all done within 60 s; the connections:\n{}",
+            transport_rdma::debug_dump()
+        )
+    });
+    for (i, stream) in connected.into_iter().enumerate() {
         let stream = stream.unwrap_or_else(|e| panic!("connect {i} of {AT_ONCE}: {e}"));
         assert_eq!(stream.peer_identity(), Some(auth::PROVEN_IDENTITY));
     }

@@ -286,6 +286,23 @@ async fn small_frames_of_other_calls_pass_a_64_mib_frame() {
     }
 }
 
+/// Thousands of small frames each way, pipelined, on the default ring:
+/// more SENDs than the send queue holds, sent inline (up to 256 bytes with
+/// the header) and not, most of them unsignaled (one data SEND in eight
+/// asks for its completion, which frees the slots before it). A completion
+/// lost or misapplied would leak send slots and stall the sender, or hand
+/// out a slot still being sent from and corrupt a frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn thousands_of_small_frames_around_the_inline_size_both_ways() {
+    let sizes: Vec<usize> = [0, 8, 200, 223, 224, 225, 300, 1000, 3000]
+        .into_iter()
+        .cycle()
+        .take(5000)
+        .collect();
+    round_trip_sizes(RdmaTransport::default(), &sizes).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn lowered_inline_threshold_sends_small_frames_by_write() {

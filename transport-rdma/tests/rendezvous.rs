@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -403,29 +403,48 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
     };
     let (mut listener, target) = env.listen_here(&cfg, limits).await;
     let before = transport_rdma::verbs::registered_bytes();
+    // The child's output, shown if it ends before it is killed.
+    let log_path = std::env::temp_dir().join(format!("rdv-child-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path).expect("the child's log");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_sender", "--nocapture"])
         .env("RDV_CHILD_CONNECT", &target)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(log.try_clone().expect("the child's log"))
+        .stderr(log)
         .spawn()
         .expect("spawn the child");
+    let child_ended = |child: &mut std::process::Child| {
+        child.try_wait().expect("the child's status").map(|status| {
+            format!(
+                "the child sender ended ({status}) before it was killed:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            )
+        })
+    };
     let mut conn = tokio::time::timeout(STEP, std::future::poll_fn(|cx| listener.poll_accept(cx)))
         .await
         .expect("accepts in time")
         .expect("accepts");
     // The destination is taken (registered) once the announcement is in:
-    // the READs run.
-    let deadline = tokio::time::Instant::now() + STEP;
+    // the READs run. (The whole test takes ~20 s when it passes.)
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     while transport_rdma::verbs::registered_bytes() < before + HUGE as u64 {
+        if let Some(ended) = child_ended(&mut child) {
+            panic!("{ended}");
+        }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no transfer started"
+            "no transfer started; the connection: {}",
+            transport_rdma::debug_dump()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    if let Some(ended) = child_ended(&mut child) {
+        panic!("{ended}");
+    }
     let _ = child.kill();
     let _ = child.wait();
+    let _ = std::fs::remove_file(&log_path);
     let started = tokio::time::Instant::now();
     match tokio::time::timeout(Duration::from_secs(120), conn.source.recv()).await {
         Ok(Err(e)) => eprintln!("after {:?}: {e}", started.elapsed()),
