@@ -487,6 +487,18 @@ pub(crate) fn run_rdma_tests() -> Result<(), String> {
             DEVICE_TEST_PACKAGES.join(", ")
         ));
     }
+    // The same order in every run (cargo lists executables as their builds
+    // finish), by test file name; `link_down` last: it takes the device's
+    // link down and re-creates the device, which the others need not share.
+    let test_name = |exe: &PathBuf| {
+        let stem = exe.file_name().unwrap_or_default().to_string_lossy();
+        stem.rsplit_once('-')
+            .map_or(stem.to_string(), |(name, _hash)| name.to_string())
+    };
+    with_device_tests.sort_by_key(|exe| {
+        let name = test_name(exe);
+        (name == "link_down", name)
+    });
     let mut command = vec![
         "sh".to_string(),
         "-c".into(),
