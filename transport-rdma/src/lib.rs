@@ -52,10 +52,7 @@
 //!   credits come back in every message's header, or in a `Credit` message
 //!   when the peer runs low ([`proto::RecvRing::wants_credit_message`]);
 //!   the last credit is kept for those, so the peers never deadlock, never
-//!   cause an RNR, never overrun a ring. One data SEND in eight asks for
-//!   its completion, which frees the slots of the ones before it (an RC
-//!   send queue completes in order); all do while few slots are free, or
-//!   once the connection closes.
+//!   cause an RNR, never overrun a ring.
 //! - **Large frames** are encoded into a registered staging region and
 //!   RDMA-written into the peer's region, at offsets
 //!   from a ring allocator both sides run in lock-step
