@@ -252,7 +252,7 @@ fn connect_and_write(server: SocketAddr, device: &str) -> Result<(), String> {
     unsafe { qp.queue_write(11, &mr, 1024..1024 + WRITE_LEN, remote, WRITE_OFFSET, false) }
         .map_err(step("queue RDMA WRITE"))?;
     // SAFETY: as above.
-    unsafe { qp.queue_send(12, &mr, 4096..4096 + DONE_MESSAGE.len(), true) }
+    unsafe { qp.queue_send(12, &mr, 4096..4096 + DONE_MESSAGE.len()) }
         .map_err(step("queue SEND"))?;
     qp.post_queued().map_err(step("post RDMA WRITE and SEND"))?;
     expect_completion(&cq, 12, "second SEND (after the unsignaled RDMA WRITE)")?;

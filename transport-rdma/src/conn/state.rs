@@ -689,7 +689,6 @@ impl State {
                 slot,
                 header,
                 body_len,
-                signaled,
             } => {
                 // SAFETY: the slot is owned by this message (the protocol
                 // gave it out and takes it back at the send's completion):
@@ -704,15 +703,12 @@ impl State {
                     mr.register()?;
                 }
                 // SAFETY: the slot stays untouched until its send completion
-                // frees it (an unsignaled one's: the completion of a
-                // signaled one after it, see `Connection::handle_completion`);
-                // the memory outlives the QP.
+                // frees it; the memory outlives the QP.
                 unsafe {
                     self.qp.queue_send(
                         kind.wr_id(slot),
                         mr,
                         range.start..range.start + HEADER_LEN + body_len,
-                        signaled,
                     )
                 }
             }

@@ -44,17 +44,6 @@ pub const HEAP_SLOTS: u32 = 4;
 /// chunks still fill a link: perftest's bandwidth tests saturate at 64 KiB
 /// messages.
 const HEAP_CHUNK_MAX: usize = 64 << 10;
-/// A data message's SEND asks for its completion at least every this many
-/// (selective signalling): the others are complete once a signaled SEND
-/// after them is, which frees their slots. Fewer completions, so fewer
-/// completion events waking the driver; each unsignaled SEND holds its slot
-/// (and send-queue entry) until then. Every SEND is signaled while fewer
-/// than this many data slots are free (so a sender waiting for a slot
-/// always has a signaled SEND ahead of it), and once our `Close` is asked
-/// for (so the connection drains). Control and chunk SENDs are always
-/// signaled: they have few slots, and a keepalive probe is answered by its
-/// completion.
-pub(crate) const SIGNAL_EVERY: u32 = 8;
 
 /// What a work request was for (its kind is encoded in its `wr_id`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,10 +143,6 @@ pub enum Transmit {
         header: Header,
         /// Bytes of frame after the header in the slot.
         body_len: usize,
-        /// Whether the SEND reports its completion (see [`SIGNAL_EVERY`]);
-        /// unsignaled, the slot stays untouched until a signaled SEND
-        /// after it completes.
-        signaled: bool,
     },
     /// Take a destination of `len` bytes from the pool for the peer's
     /// transfer `transfer` (registered for local write only): its READs
@@ -591,15 +576,8 @@ pub struct Connection {
     free_heap: Vec<u32>,
     heap_queued: bool,
     inline_max: usize,
-    /// SENDs and READs posted and not known complete (an unsignaled SEND
-    /// counts until a signaled one after it completes).
+    /// Signaled send-queue requests posted and not completed.
     in_flight: u32,
-    /// SENDs posted and not known complete, in posting order: (kind, slot,
-    /// signaled). A SEND's completion completes every unsignaled one
-    /// before it (an RC send queue completes in order).
-    sends_posted: VecDeque<(WorkKind, u32, bool)>,
-    /// Unsignaled data SENDs posted since the last signaled SEND.
-    unsignaled_run: u32,
     /// Send slots for data messages (the peer's ring slots); control and
     /// heap slots follow.
     data_slots: u32,
@@ -664,8 +642,6 @@ impl Connection {
             heap_queued: false,
             inline_max: cfg.inline_max,
             in_flight: 0,
-            sends_posted: VecDeque::new(),
-            unsignaled_run: 0,
             data_slots: peer,
             region_sent_to: 0,
             peer_region: PeerRegion::Unasked,
@@ -1102,64 +1078,13 @@ impl Connection {
     fn push_send(&mut self, kind: WorkKind, slot: u32, mut header: Header, body_len: usize) {
         self.stamp(&mut header);
         self.posted[(self.ring_slots + slot) as usize] = true;
-        let signaled = self.signals(kind);
-        self.sends_posted.push_back((kind, slot, signaled));
         self.transmit.push_back(Transmit::Send {
             kind,
             slot,
             header,
             body_len,
-            signaled,
         });
         self.in_flight += 1;
-    }
-
-    /// Whether the SEND of `kind` about to go asks for its completion (see
-    /// [`SIGNAL_EVERY`]); the slot it goes from is already taken.
-    fn signals(&mut self, kind: WorkKind) -> bool {
-        let signaled = kind != WorkKind::Send
-            || self.unsignaled_run + 1 >= SIGNAL_EVERY
-            || self.free_send.len() < SIGNAL_EVERY
-            || self.own_close() != OwnClose::No;
-        self.unsignaled_run = if signaled { 0 } else { self.unsignaled_run + 1 };
-        signaled
-    }
-
-    /// The completion of SEND `(kind, index)` (signaled, or one that
-    /// failed): the unsignaled SENDs posted before it are complete too, and
-    /// their slots free. Nothing if it is not posted (the caller fails the
-    /// connection for that). False if a signaled SEND posted before it had
-    /// not completed: the connection failed.
-    fn complete_sends_before(&mut self, kind: WorkKind, index: u32) -> bool {
-        let Some(at) = self
-            .sends_posted
-            .iter()
-            .position(|&(k, i, _)| (k, i) == (kind, index))
-        else {
-            return true;
-        };
-        for _ in 0..at {
-            let (k, i, signaled) = self.sends_posted.pop_front().expect("before `at`");
-            if signaled {
-                // Its own completion would have come first.
-                self.fail(format!(
-                    "completion of a {kind:?} send on slot {index} before that of the \
-                     {k:?} send on slot {i} posted earlier"
-                ));
-                return false;
-            }
-            debug_assert_eq!(k, WorkKind::Send, "only data SENDs go unsignaled");
-            if let Some(posted) = self.posted_flag(k, i) {
-                *posted = false;
-            }
-            self.in_flight = self.in_flight.saturating_sub(1);
-            if !matches!(self.lifecycle, Lifecycle::Failed(_)) {
-                self.free_send.put(i);
-                self.wake.senders = true;
-            }
-        }
-        self.sends_posted.pop_front();
-        true
     }
 
     fn push_write(&mut self, pos: u64, len: usize, data: Option<FrameBytes>) {
@@ -1445,11 +1370,6 @@ impl Connection {
                 "completion of a {kind:?} work request on slot {index}, out of range ({:#x})",
                 wc.wr_id
             ));
-            return;
-        }
-        if matches!(kind, WorkKind::Send | WorkKind::Control | WorkKind::Heap)
-            && !self.complete_sends_before(kind, index)
-        {
             return;
         }
         let mut read = None;
@@ -2128,84 +2048,11 @@ mod tests {
         }
     }
 
-    /// A connection whose peer has `slots` ring slots, all posted.
-    fn connection_to_a_ring_of(slots: u32) -> Connection {
-        Connection::new(Config {
-            peer_ring_slots: slots,
-            peer_initial_ring_slots: slots,
-            ..connection_config()
-        })
-        .regions_granted()
-    }
-
-    /// Sends an 8-byte frame; the slot it went from, and whether signaled.
-    fn send_small(conn: &mut Connection) -> (u32, bool) {
-        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
-            panic!("no room for an inline frame: {}", conn.summary())
-        };
-        conn.queue_frame(reservation, None).unwrap();
-        let Some(Transmit::Send {
-            kind: WorkKind::Send,
-            slot,
-            signaled,
-            ..
-        }) = conn.poll_transmit()
-        else {
-            panic!("the frame was not sent")
-        };
-        (slot, signaled)
-    }
-
-    #[test]
-    fn every_eighth_data_send_is_signaled_and_completes_those_before_it() {
-        let mut conn = connection_to_a_ring_of(64);
-        let sent: Vec<(u32, bool)> = (0..16).map(|_| send_small(&mut conn)).collect();
-        let signaled: Vec<u32> = sent.iter().filter(|s| s.1).map(|s| s.0).collect();
-        assert_eq!(signaled, [7, 15], "{sent:?}");
-        assert_eq!(conn.in_flight(), 16);
-        // The eighth's completion: the seven before it are complete too.
-        complete(&mut conn, WorkKind::Send.wr_id(7), &[]);
-        assert_eq!(conn.failure(), None);
-        assert_eq!(conn.in_flight(), 8);
-        let next: Vec<u32> = (0..8).map(|_| send_small(&mut conn).0).collect();
-        assert_eq!(next, [0, 1, 2, 3, 4, 5, 6, 7], "their slots are free again");
-        complete(&mut conn, WorkKind::Send.wr_id(15), &[]);
-        assert_eq!(conn.in_flight(), 8, "the eight sent since are in flight");
-        assert_eq!(conn.failure(), None);
-    }
-
-    #[test]
-    fn every_data_send_is_signaled_while_few_slots_are_free() {
-        let mut conn = connection_to_a_ring_of(64);
-        // One credit stays for control messages: 63 data sends.
-        let sent: Vec<(u32, bool)> = (0..63).map(|_| send_small(&mut conn)).collect();
-        for &(slot, signaled) in &sent {
-            // Free after taking `slot`: 63 - slot.
-            if 63 - slot < SIGNAL_EVERY {
-                assert!(signaled, "slot {slot}, {} free after it", 63 - slot);
-            }
-        }
-        // The last one posted is signaled: a sender waiting for a slot has
-        // a completion coming.
-        assert!(sent.last().unwrap().1);
-    }
-
-    #[test]
-    fn a_send_completing_before_an_earlier_signaled_one_fails_the_connection() {
-        // Eight slots: fewer than SIGNAL_EVERY free, so all signaled.
-        let mut conn = connection();
-        assert!(send_small(&mut conn).1);
-        assert!(send_small(&mut conn).1);
-        complete(&mut conn, WorkKind::Send.wr_id(1), &[]);
-        let failure = conn.failure().unwrap_or_default().to_string();
-        assert!(failure.contains("before that of"), "{failure:?}");
-    }
-
     #[test]
     fn send_slots_are_reused_lowest_first() {
         // The verbs layer registers send slots in parts, lowest first: a
         // sender with n frames in flight must use slots below n whatever
-        // order they were freed in.
+        // order their completions came in.
         let mut conn = connection();
         let send = |conn: &mut Connection| {
             let SendDecision::Encode(reservation) = conn.handle_send(8) else {
@@ -2220,11 +2067,11 @@ mod tests {
         };
         let first: Vec<u32> = (0..4).map(|_| send(&mut conn)).collect();
         assert_eq!(first, [0, 1, 2, 3]);
-        for slot in [0, 1, 2] {
+        for slot in [3, 0, 2] {
             complete(&mut conn, WorkKind::Send.wr_id(slot), &[]);
         }
         let next: Vec<u32> = (0..3).map(|_| send(&mut conn)).collect();
-        assert_eq!(next, [0, 1, 2], "a stack would give 2, 1, 0");
+        assert_eq!(next, [0, 2, 3], "a stack would give 2, 0, 3");
         assert_eq!(conn.failure(), None);
     }
 

@@ -122,9 +122,6 @@ struct Side {
     /// Send slots whose SEND is posted and not completed, and completions
     /// the device has for us, not yet polled.
     sending: Vec<bool>,
-    /// The send slots of the SENDs posted, in posting order, until their
-    /// completion is polled (an unsignaled one's: a later one's).
-    send_queue: VecDeque<u32>,
     completions: VecDeque<(u64, usize, Vec<u8>)>,
     /// Frames queued by the application, not yet accepted by `handle_send`.
     app_queue: VecDeque<Vec<u8>>,
@@ -187,7 +184,6 @@ impl Side {
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
             staging: vec![0; REGION],
             sending: vec![false; SEND_SLOTS],
-            send_queue: VecDeque::new(),
             completions: VecDeque::new(),
             app_queue: VecDeque::new(),
             held: Vec::new(),
@@ -429,7 +425,6 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 slot,
                 header,
                 body_len,
-                signaled,
             } => {
                 let s = slot as usize;
                 assert!(
@@ -451,13 +446,7 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                     me.writes.pop_front();
                 }
                 wire.push_back(Msg { bytes });
-                me.send_queue.push_back(slot);
-                // Unsignaled: no completion; complete once a later one is.
-                if signaled {
-                    me.completions.push_back((kind.wr_id(slot), 0, Vec::new()));
-                } else {
-                    UNSIGNALED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+                me.completions.push_back((kind.wr_id(slot), 0, Vec::new()));
             }
         }
     }
@@ -466,19 +455,6 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
         "an unsignaled WRITE posted with no SEND after it"
     );
     posted
-}
-
-/// The completion of the SEND from `slot` was polled: it, and every SEND
-/// posted before it, no longer uses its slot (an RC send queue completes in
-/// order).
-fn send_completed(me: &mut Side, slot: u32) {
-    while let Some(done) = me.send_queue.pop_front() {
-        me.sending[done as usize] = false;
-        if done == slot {
-            return;
-        }
-    }
-    panic!("completion of send slot {slot}, not posted");
 }
 
 /// `me`'s device takes the next message off the wire into a posted slot.
@@ -504,7 +480,7 @@ fn poll(me: &mut Side) -> usize {
         if let Some((WorkKind::Send | WorkKind::Control | WorkKind::Heap, slot)) =
             WorkKind::from_wr_id(wr_id)
         {
-            send_completed(me, slot);
+            me.sending[slot as usize] = false;
         }
         me.conn.handle_completion(Completion {
             wr_id,
@@ -776,7 +752,7 @@ fn run(seed: u64, steps: usize) {
                 if let Some((WorkKind::Send | WorkKind::Control | WorkKind::Heap, slot)) =
                     WorkKind::from_wr_id(wr_id)
                 {
-                    send_completed(side, slot);
+                    side.sending[slot as usize] = false;
                 }
                 side.conn.handle_completion(Completion {
                     wr_id,
@@ -808,8 +784,6 @@ fn run(seed: u64, steps: usize) {
 static RENDEZVOUS_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Rings that grew while traffic ran.
 static RINGS_GROWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// SENDs posted unsignaled (selective signalling).
-static UNSIGNALED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Runs without the rendezvous where a frame was delivered before one
 /// sent earlier (a small frame passing a chunked one).
 static PASSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -819,10 +793,9 @@ fn randomized_two_endpoints() {
     for seed in 1..=300u64 {
         run(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 2000);
     }
-    // The rendezvous runs were not vacuous, rings grew, small frames
-    // passed chunked ones in the others, and SENDs went unsignaled.
+    // The rendezvous runs were not vacuous, rings grew, and small frames
+    // passed chunked ones in the others.
     assert!(RENDEZVOUS_READS.load(std::sync::atomic::Ordering::Relaxed) > 1000);
-    assert!(UNSIGNALED.load(std::sync::atomic::Ordering::Relaxed) > 1000);
     assert!(RINGS_GROWN.load(std::sync::atomic::Ordering::Relaxed) > 50);
     assert!(PASSED.load(std::sync::atomic::Ordering::Relaxed) > 10);
 }

@@ -233,26 +233,21 @@ impl QueuePair {
         range: Range<usize>,
     ) -> Result<()> {
         // SAFETY: forwarded: the caller upholds this function's contract.
-        unsafe { self.queue_send(wr_id, mr, range, true)? };
+        unsafe { self.queue_send(wr_id, mr, range)? };
         self.post_queued()
     }
 
-    /// Queues a SEND of `mr[range]` (`IBV_WR_SEND`) for the next
+    /// Queues a signaled SEND of `mr[range]` (`IBV_WR_SEND`) for the next
     /// [`post_queued`](Self::post_queued). Up to
     /// [`max_inline_data`](Self::max_inline_data) bytes are sent inline.
-    /// An unsignaled SEND (`signaled` false) reports a completion only if
-    /// it fails; it is complete once a signaled request queued after it is
-    /// (an RC send queue completes in order).
     ///
     /// # Safety
-    /// As [`post_send`](Self::post_send), from this call on; unsignaled,
-    /// until the completion of a signaled request queued after it.
+    /// As [`post_send`](Self::post_send), from this call on.
     pub unsafe fn queue_send(
         &mut self,
         wr_id: u64,
         mr: &MemoryRegion,
         range: Range<usize>,
-        signaled: bool,
     ) -> Result<()> {
         self.queue(
             wr_id,
@@ -260,7 +255,7 @@ impl QueuePair {
             range,
             ffi::ibv_wr_opcode::IBV_WR_SEND,
             (0, 0),
-            signaled,
+            true,
         )
     }
 
