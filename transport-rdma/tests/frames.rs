@@ -287,11 +287,11 @@ async fn small_frames_of_other_calls_pass_a_64_mib_frame() {
 }
 
 /// Thousands of small frames each way, pipelined, on the default ring:
-/// more SENDs than the send queue holds, sent inline (up to 256 bytes with
-/// the header) and not, most of them unsignaled (one data SEND in eight
-/// asks for its completion, which frees the slots before it). A completion
-/// lost or misapplied would leak send slots and stall the sender, or hand
-/// out a slot still being sent from and corrupt a frame.
+/// many more SENDs than the send queue holds, sent inline (up to 256 bytes
+/// with the header) and not. A completion lost or misapplied would leak
+/// send slots and stall the sender, or hand out a slot still being sent
+/// from and corrupt a frame; a post past the queue's depth would fail
+/// (`ENOMEM`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn thousands_of_small_frames_around_the_inline_size_both_ways() {
