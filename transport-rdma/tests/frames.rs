@@ -13,7 +13,7 @@ use std::future::poll_fn;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::{ChildGuard, TestEnv};
 use rpc_core::frame::{OutBody, OutFrame, HEAD_LEN};
 use std::sync::Arc;
 
@@ -431,13 +431,15 @@ async fn a_killed_peer_process_fails_the_connection_promptly() {
     let cfg = RdmaTransport::default();
     let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
     for round in 0..2 {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "child_sender", "--nocapture"])
-            .env("FRAMES_CHILD_CONNECT", &target)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn the child");
+        let mut child = ChildGuard(
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--ignored", "--exact", "child_sender", "--nocapture"])
+                .env("FRAMES_CHILD_CONNECT", &target)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn the child"),
+        );
         let mut conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
             .await
             .expect("the child connects in time")
@@ -448,9 +450,8 @@ async fn a_killed_peer_process_fails_the_connection_promptly() {
                 .unwrap()
                 .expect("a frame from the child");
         }
-        child.kill().unwrap();
         let killed = Instant::now();
-        let _ = child.wait();
+        child.kill();
         // Keep reading: what was sent may still arrive, then an error.
         let error = loop {
             match recv(&mut conn).await {

@@ -55,7 +55,7 @@
 mod common;
 use rpc_test_support as support;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -121,6 +121,85 @@ fn run_child(name: &str) {
     );
 }
 
+/// How long `ip` or `rdma` may take before [`run`] gives up on it.
+const COMMAND_WITHIN: Duration = Duration::from_secs(60);
+
+/// Runs a command (`ip`, `rdma`) and fails with its stderr if it fails, or
+/// with what holds it up if it still runs after [`COMMAND_WITHIN`]:
+/// `rdma link delete` waits in the kernel for every process that has the
+/// device open, and once did not return in a CI run.
+fn run(args: &[&str]) -> Result<(), String> {
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("running {args:?}: {e}"))?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(|e| format!("{args:?}: {e}"))? {
+            break status;
+        }
+        if started.elapsed() > COMMAND_WITHIN {
+            let stuck = stuck_report(child.id());
+            let _ = child.kill();
+            return Err(format!(
+                "{args:?} still ran after {COMMAND_WITHIN:?} (killed):\n{stuck}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+    }
+    Err(format!("{args:?}: {status} {stderr}"))
+}
+
+/// What a stuck command waits for: its kernel stack, the processes that
+/// have an RDMA device file open, and the kernel log's tail.
+fn stuck_report(pid: u32) -> String {
+    let stack = std::fs::read_to_string(format!("/proc/{pid}/stack"))
+        .unwrap_or_else(|e| format!("(unreadable: {e})\n"));
+    let mut holders = String::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(other) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let files: Vec<String> = std::fs::read_dir(entry.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .map(|target| target.display().to_string())
+            .filter(|target| target.starts_with("/dev/infiniband/"))
+            .collect();
+        if !files.is_empty() {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            holders += &format!("  pid {other} ({}): {}\n", cmdline.trim(), files.join(", "));
+        }
+    }
+    if holders.is_empty() {
+        holders = "  none\n".into();
+    }
+    let dmesg = Command::new("dmesg")
+        .output()
+        .map(|out| {
+            let log = String::from_utf8_lossy(&out.stdout).into_owned();
+            let lines: Vec<&str> = log.lines().collect();
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        })
+        .unwrap_or_else(|e| format!("(dmesg: {e})"));
+    format!(
+        "its kernel stack:\n{stack}processes with /dev/infiniband/* open:\n{holders}\
+         the kernel log's last lines:\n{dmesg}"
+    )
+}
+
 /// Restores the device after a link cut: link up, and the Soft-RoCE device
 /// deleted and added again (`rdma link`), then waits for its port to be
 /// active. On the guest's kernel (6.1) a link that went down under live RC
@@ -145,28 +224,12 @@ impl DeviceRestore {
         }
     }
 
-    fn run(args: &[&str]) -> Result<(), String> {
-        let out = Command::new(args[0])
-            .args(&args[1..])
-            .output()
-            .map_err(|e| format!("running {args:?}: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{args:?}: {} {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
-    }
-
     fn now(&mut self) -> Result<(), String> {
         self.done = true;
         let started = Instant::now();
-        Self::run(&["ip", "link", "set", "dev", &self.netdev, "up"])?;
-        Self::run(&["rdma", "link", "delete", &self.device])?;
-        Self::run(&[
+        run(&["ip", "link", "set", "dev", &self.netdev, "up"])?;
+        run(&["rdma", "link", "delete", &self.device])?;
+        run(&[
             "rdma",
             "link",
             "add",
@@ -237,20 +300,7 @@ impl LinkCut {
     }
 
     fn set(&self, state: &str) -> Result<(), String> {
-        let out = Command::new("ip")
-            .args(["link", "set", "dev", &self.netdev, state])
-            .output()
-            .map_err(|e| format!("running ip link set dev {} {state}: {e}", self.netdev))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "ip link set dev {} {state}: {} {}",
-                self.netdev,
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
+        run(&["ip", "link", "set", "dev", &self.netdev, state])
     }
 
     fn down(&mut self) {

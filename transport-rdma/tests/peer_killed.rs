@@ -8,30 +8,14 @@
 mod common;
 use rpc_test_support as support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::{ChildGuard, TestEnv};
 use rpc_core::{BytesCodec, Channel, Client, Code, Endpoint, Request};
 use support::TestServer;
-
-/// A child process, killed when dropped (also when the test fails).
-struct ChildGuard(Child);
-
-impl ChildGuard {
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 fn spawn_child(test: &str, var: &str, value: &str) -> ChildGuard {
     ChildGuard(

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Role, TestEnv};
+use common::{ChildGuard, Role, TestEnv};
 use rpc_core::frame::{OutBody, OutFrame, HEAD_LEN};
 use rpc_core::transport::{Connection, FrameLimits, FrameSink, Transport, TransportError};
 use transport_rdma::RdmaTransport;
@@ -406,20 +406,26 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
     // The child's output, shown if it ends before it is killed.
     let log_path = std::env::temp_dir().join(format!("rdv-child-{}.log", std::process::id()));
     let log = std::fs::File::create(&log_path).expect("the child's log");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_sender", "--nocapture"])
-        .env("RDV_CHILD_CONNECT", &target)
-        .stdout(log.try_clone().expect("the child's log"))
-        .stderr(log)
-        .spawn()
-        .expect("spawn the child");
-    let child_ended = |child: &mut std::process::Child| {
-        child.try_wait().expect("the child's status").map(|status| {
-            format!(
-                "the child sender ended ({status}) before it was killed:\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default()
-            )
-        })
+    let mut child = ChildGuard(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "child_sender", "--nocapture"])
+            .env("RDV_CHILD_CONNECT", &target)
+            .stdout(log.try_clone().expect("the child's log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn the child"),
+    );
+    let child_ended = |child: &mut ChildGuard| {
+        child
+            .0
+            .try_wait()
+            .expect("the child's status")
+            .map(|status| {
+                format!(
+                    "the child sender ended ({status}) before it was killed:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                )
+            })
     };
     let mut conn = tokio::time::timeout(STEP, std::future::poll_fn(|cx| listener.poll_accept(cx)))
         .await
@@ -442,8 +448,7 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
     if let Some(ended) = child_ended(&mut child) {
         panic!("{ended}");
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    child.kill();
     let _ = std::fs::remove_file(&log_path);
     let started = tokio::time::Instant::now();
     match tokio::time::timeout(Duration::from_secs(120), conn.source.recv()).await {

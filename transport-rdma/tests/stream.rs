@@ -11,10 +11,10 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{pinned_bytes, Role, TestEnv, PINNED_PER_END};
+use common::{pinned_bytes, ChildGuard, Role, TestEnv, PINNED_PER_END};
 use futures::future::join_all;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use transport_rdma::{RdmaListener, RdmaStream};
@@ -329,15 +329,6 @@ async fn child_stream_writer() {
 }
 
 /// A child process, killed when dropped (also when the test fails).
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_peer_killed_mid_transfer_ends_reads_and_writes_with_an_error() {

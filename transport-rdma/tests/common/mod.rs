@@ -235,3 +235,23 @@ pub fn proc_kib(file: &str, field: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("unreadable {line:?}"))
 }
+
+/// A child process, killed and reaped when dropped: also when its test
+/// fails, so a failed test never leaves a process holding the device open
+/// (deleting a Soft-RoCE device, as `link_down` does, waits for every
+/// process that has it open).
+pub struct ChildGuard(pub std::process::Child);
+
+impl ChildGuard {
+    /// Kills the child (if it still runs) and waits for it to end.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
