@@ -173,12 +173,16 @@ pub trait FrameSource: Send + 'static {
 /// after the worker's other tasks) instead of `op`.
 ///
 /// tokio's own sockets and channels do this; a transport's halves are not
-/// tokio resources, so `send` and `recv` do it for them. Without it a
+/// tokio resources, so `send` and `recv` do it for them, and a transport's
+/// own byte-stream or frame API should call it the same way. Without it a
 /// handler streaming from an always-ready source to a reader as fast as
 /// itself never returned `Pending`, and its worker ran nothing else: a
 /// connection's driver task parked on that worker stalled the connection
 /// for good (`link_down`, two Soft-RoCE guests).
-fn cooperatively<T>(cx: &mut Context<'_>, op: impl FnOnce(&mut Context<'_>) -> Poll<T>) -> Poll<T> {
+pub fn cooperatively<T>(
+    cx: &mut Context<'_>,
+    op: impl FnOnce(&mut Context<'_>) -> Poll<T>,
+) -> Poll<T> {
     let budget = std::task::ready!(tokio::task::coop::poll_proceed(cx));
     let result = std::task::ready!(op(cx));
     budget.made_progress();

@@ -76,7 +76,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::transport::{FrameLimits, FrameSource, TransportError};
+use rpc_core::transport::{cooperatively, FrameLimits, FrameSource, TransportError};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::conn::{self, RdmaSink, RdmaSource};
@@ -197,10 +197,7 @@ impl RdmaReadHalf {
         // Each message counts against the task's tokio budget, as a
         // socket read does: a reader of a peer as fast as itself still
         // lets its worker's other tasks run.
-        let budget = ready!(tokio::task::coop::poll_proceed(cx));
-        let received = ready!(self.poll_source(cx));
-        budget.made_progress();
-        Poll::Ready(received)
+        cooperatively(cx, |cx| self.poll_source(cx))
     }
 
     /// The next non-empty message from the connection, or its end.
@@ -272,21 +269,20 @@ impl RdmaWriteHalf {
             return Poll::Ready(Ok(0));
         }
         // As a socket write does (see `poll_recv_bytes`).
-        let budget = ready!(tokio::task::coop::poll_proceed(cx));
-        let sent = self.sink.poll_send_with(cx, len, None, None, |dst| {
-            let mut left = len;
-            for b in bufs {
-                let n = b.len().min(left);
-                dst.put_slice(&b[..n]);
-                left -= n;
-                if left == 0 {
-                    break;
+        let sent = cooperatively(cx, |cx| {
+            self.sink.poll_send_with(cx, len, None, None, |dst| {
+                let mut left = len;
+                for b in bufs {
+                    let n = b.len().min(left);
+                    dst.put_slice(&b[..n]);
+                    left -= n;
+                    if left == 0 {
+                        break;
+                    }
                 }
-            }
+            })
         });
-        let sent = ready!(sent);
-        budget.made_progress();
-        Poll::Ready(sent.map(|()| len).map_err(to_io_error))
+        Poll::Ready(ready!(sent).map(|()| len).map_err(to_io_error))
     }
 }
 
