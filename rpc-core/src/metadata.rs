@@ -23,8 +23,10 @@ pub struct MetadataMap {
 
 impl MetadataMap {
     /// An empty map.
-    pub fn new() -> MetadataMap {
-        MetadataMap::default()
+    pub const fn new() -> MetadataMap {
+        MetadataMap {
+            entries: Vec::new(),
+        }
     }
 
     /// Adds `key` = `value`, keeping earlier values for the same key.

@@ -123,6 +123,14 @@ macro_rules! constructors {
 }
 
 impl Status {
+    /// `Ok` with no message nor metadata: what a client's interceptors are
+    /// told of a call that succeeded.
+    pub(crate) const OK: Status = Status {
+        code: Code::Ok,
+        message: String::new(),
+        metadata: MetadataMap::new(),
+    };
+
     /// A status with `code` and `message`.
     pub fn new(code: Code, message: impl Into<String>) -> Status {
         Status {

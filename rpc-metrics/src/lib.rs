@@ -84,9 +84,11 @@
 //! Prometheus project's own Rust client, keeps metrics in a registry the
 //! application owns (no process-global recorder a library must not
 //! install), and encodes the OpenMetrics text format without an exporter
-//! crate. Per call, a method's counters are found by one read-locked map
-//! lookup on its path (its label set is built once per method, not per call).
+//! crate. Per call, a method's counters are found among the few each thread
+//! used last, by comparing the path; else by one read-locked map lookup on
+//! it (its label set is built once per method, not per call).
 
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
@@ -207,6 +209,10 @@ const CODES: usize = 17;
 /// handles into them.
 #[derive(Debug)]
 struct Side {
+    /// Tells this side's methods apart from other sides' in
+    /// [`RECENT_METHODS`] (an address could be reused once a side is
+    /// dropped; an id is not).
+    id: u64,
     started: Family<MethodLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     seconds: HistogramFamily,
@@ -224,9 +230,30 @@ struct PerMethod {
     handled: [OnceLock<Counter>; CODES],
 }
 
+/// The next [`Side::id`].
+static NEXT_SIDE_ID: AtomicU64 = AtomicU64::new(0);
+
+/// How many methods [`RECENT_METHODS`] keeps per thread.
+const RECENT: usize = 4;
+
+/// A method this thread looked up lately: its side's id, the path asked
+/// for and its series.
+type RecentMethod = Option<(u64, Box<str>, Arc<PerMethod>)>;
+
+thread_local! {
+    /// The methods this thread looked up lately, newest first. A call's
+    /// start and end each find their method here with a comparison of the
+    /// path, not by hashing it and probing the side's map under its lock,
+    /// whose reader count every thread recording a call would otherwise
+    /// write to.
+    static RECENT_METHODS: RefCell<[RecentMethod; RECENT]> =
+        const { RefCell::new([const { None }; RECENT]) };
+}
+
 impl Side {
     fn register(registry: &mut Registry, side: &str, in_flight: bool) -> Side {
         let this = Side {
+            id: NEXT_SIDE_ID.fetch_add(1, Ordering::Relaxed),
             started: Family::default(),
             handled: Family::default(),
             seconds: Family::default(),
@@ -258,13 +285,41 @@ impl Side {
         this
     }
 
-    /// Runs `record` on the method's series: found under the read lock
-    /// (no reference count touched), or made on the method's first call.
+    /// Runs `record` on the method's series: found among this thread's
+    /// [`RECENT_METHODS`] (no lock taken, no reference count touched), else
+    /// in the side's map (and kept among them), or made on the method's
+    /// first call.
     fn with_method(&self, path: &str, record: impl FnOnce(&PerMethod)) {
-        if let Some(found) = read(&self.by_path).get(path) {
-            return record(found);
+        let mut record = Some(record);
+        let _ = RECENT_METHODS.try_with(|recent| {
+            // Busy only if `record` called back into a side (it does not);
+            // that inner call would look its method up below, uncached.
+            let Ok(mut recent) = recent.try_borrow_mut() else {
+                return;
+            };
+            let hit = recent.iter().position(|entry| {
+                entry.as_ref().is_some_and(|(side, recent_path, _)| {
+                    *side == self.id && **recent_path == *path
+                })
+            });
+            if hit.is_none() {
+                let found = read(&self.by_path).get(path).map(Arc::clone);
+                let method = found.unwrap_or_else(|| self.method(path));
+                recent.rotate_right(1);
+                recent[0] = Some((self.id, path.into(), method));
+            }
+            if let (Some(record), Some((_, _, method))) = (record.take(), &recent[hit.unwrap_or(0)])
+            {
+                record(method);
+            }
+        });
+        // Not recorded above: the thread is exiting (its locals are gone).
+        if let Some(record) = record.take() {
+            match read(&self.by_path).get(path) {
+                Some(found) => record(found),
+                None => record(&self.method(path)),
+            }
         }
-        record(&self.method(path));
     }
 
     /// The method's series, created on its first call. Past
@@ -541,6 +596,39 @@ mod tests {
             "latency_sum 5.00313",
         ] {
             assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+    }
+
+    #[test]
+    fn sides_sharing_a_thread_count_their_own_calls() {
+        // Two registries' server sides, and more methods than a thread
+        // keeps among its recent ones: hits and misses, interleaved.
+        let (mut first, mut second) = (Registry::default(), Registry::default());
+        let sides = [
+            Side::register(&mut first, "server", true),
+            Side::register(&mut second, "server", true),
+        ];
+        let methods = RECENT + 2;
+        for _ in 0..3 {
+            for m in 0..methods {
+                for (s, side) in sides.iter().enumerate() {
+                    // Side s records method m (s + 1) times a round.
+                    for _ in 0..=s {
+                        side.started(&format!("/demo.Demo/M{m}"), false);
+                    }
+                }
+            }
+        }
+        for (s, registry) in [first, second].iter().enumerate() {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+            for m in 0..methods {
+                let line = format!(
+                    "rpc_server_started_total{{service=\"demo.Demo\",method=\"M{m}\"}} {}\n",
+                    3 * (s + 1)
+                );
+                assert!(text.contains(&line), "{line:?} missing from:\n{text}");
+            }
         }
     }
 

@@ -87,11 +87,11 @@ impl Client {
         outcome: &Result<T, Status>,
     ) {
         let Some(started) = started else { return };
-        let ok = Status::new(Code::Ok, "");
+        static OK: Status = Status::OK;
         let end = CallEnd {
             path,
             peer: self.channel.peer(),
-            status: outcome.as_ref().err().unwrap_or(&ok),
+            status: outcome.as_ref().err().unwrap_or(&OK),
             elapsed: started.elapsed(),
         };
         intercept::run_on_end(&self.channel.config().interceptors, &end);
