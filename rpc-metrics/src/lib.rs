@@ -223,6 +223,8 @@ struct Side {
 /// A method's series, looked up once and kept.
 #[derive(Debug)]
 struct PerMethod {
+    /// The path its calls name (`OTHER_METHOD` for the shared series).
+    path: Box<str>,
     labels: MethodLabels,
     started: Counter,
     seconds: LatencyHistogram,
@@ -234,11 +236,10 @@ struct PerMethod {
 static NEXT_SIDE_ID: AtomicU64 = AtomicU64::new(0);
 
 /// How many methods [`RECENT_METHODS`] keeps per thread.
-const RECENT: usize = 4;
+const RECENT: usize = 8;
 
-/// A method this thread looked up lately: its side's id, the path asked
-/// for and its series.
-type RecentMethod = Option<(u64, Box<str>, Arc<PerMethod>)>;
+/// A method this thread looked up lately: its side's id and its series.
+type RecentMethod = Option<(u64, Arc<PerMethod>)>;
 
 thread_local! {
     /// The methods this thread looked up lately, newest first. A call's
@@ -288,7 +289,10 @@ impl Side {
     /// Runs `record` on the method's series: found among this thread's
     /// [`RECENT_METHODS`] (no lock taken, no reference count touched), else
     /// in the side's map (and kept among them), or made on the method's
-    /// first call.
+    /// first call. A miss costs the map's lookup, as every call did before
+    /// the cache, and two reference counts (the method's, the one it
+    /// evicts): a thread that records more methods in turn than it keeps
+    /// loses little.
     fn with_method(&self, path: &str, record: impl FnOnce(&PerMethod)) {
         let mut record = Some(record);
         let _ = RECENT_METHODS.try_with(|recent| {
@@ -297,28 +301,35 @@ impl Side {
             let Ok(mut recent) = recent.try_borrow_mut() else {
                 return;
             };
-            let hit = recent.iter().position(|entry| {
-                entry.as_ref().is_some_and(|(side, recent_path, _)| {
-                    *side == self.id && **recent_path == *path
-                })
-            });
-            if hit.is_none() {
-                let found = read(&self.by_path).get(path).map(Arc::clone);
-                let method = found.unwrap_or_else(|| self.method(path));
-                recent.rotate_right(1);
-                recent[0] = Some((self.id, path.into(), method));
+            let hit = recent
+                .iter()
+                .flatten()
+                .find(|(side, method)| *side == self.id && *method.path == *path);
+            if let Some((_, method)) = hit {
+                if let Some(record) = record.take() {
+                    record(method);
+                }
+                return;
             }
-            if let (Some(record), Some((_, _, method))) = (record.take(), &recent[hit.unwrap_or(0)])
-            {
-                record(method);
+            // Not a `match` on the lookup: its read guard would live
+            // through `method`, which takes the write lock.
+            let found = read(&self.by_path).get(path).map(Arc::clone);
+            let method = found.unwrap_or_else(|| self.method(path));
+            if let Some(record) = record.take() {
+                record(&method);
+            }
+            // Past the cap a call counts under `OTHER_METHOD`'s series,
+            // which a lookup by the call's own path would never find here.
+            if *method.path == *path {
+                recent.rotate_right(1);
+                recent[0] = Some((self.id, method));
             }
         });
-        // Not recorded above: the thread is exiting (its locals are gone).
+        // Not recorded above: the thread is exiting (its locals are gone),
+        // or `record` called back.
         if let Some(record) = record.take() {
-            match read(&self.by_path).get(path) {
-                Some(found) => record(found),
-                None => record(&self.method(path)),
-            }
+            let found = read(&self.by_path).get(path).map(Arc::clone);
+            record(&found.unwrap_or_else(|| self.method(path)));
         }
     }
 
@@ -342,6 +353,7 @@ impl Side {
             (path, labels)
         };
         let created = Arc::new(PerMethod {
+            path: path.into(),
             started: self.started.get_or_create_owned(&labels),
             seconds: self.seconds.get_or_create_owned(&labels),
             in_flight: self.in_flight.get_or_create_owned(&labels),
@@ -630,6 +642,34 @@ mod tests {
                 assert!(text.contains(&line), "{line:?} missing from:\n{text}");
             }
         }
+    }
+
+    #[test]
+    fn a_side_records_without_the_threads_cache() {
+        // As on a thread whose locals are gone: the map alone, for a
+        // method's first call (which takes the map's write lock) and later.
+        let mut registry = Registry::default();
+        let side = Arc::new(Side::register(&mut registry, "server", true));
+        let (done, finished) = std::sync::mpsc::channel();
+        let recording = Arc::clone(&side);
+        std::thread::spawn(move || {
+            RECENT_METHODS.with_borrow_mut(|_| {
+                recording.started("/demo.Demo/Uncached", false);
+                recording.started("/demo.Demo/Uncached", false);
+            });
+            let _ = done.send(());
+        });
+        finished
+            .recv_timeout(Duration::from_secs(10))
+            .expect("recording without the cache deadlocked");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(
+                "rpc_server_started_total{service=\"demo.Demo\",method=\"Uncached\"} 2\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
