@@ -311,10 +311,7 @@ impl Side {
                 }
                 return;
             }
-            // Not a `match` on the lookup: its read guard would live
-            // through `method`, which takes the write lock.
-            let found = read(&self.by_path).get(path).map(Arc::clone);
-            let method = found.unwrap_or_else(|| self.method(path));
+            let method = self.find_or_make(path);
             if let Some(record) = record.take() {
                 record(&method);
             }
@@ -328,9 +325,16 @@ impl Side {
         // Not recorded above: the thread is exiting (its locals are gone),
         // or `record` called back.
         if let Some(record) = record.take() {
-            let found = read(&self.by_path).get(path).map(Arc::clone);
-            record(&found.unwrap_or_else(|| self.method(path)));
+            record(&self.find_or_make(path));
         }
+    }
+
+    /// The method's series from the side's map, made on its first call.
+    fn find_or_make(&self, path: &str) -> Arc<PerMethod> {
+        // Not a `match` on the lookup: its read guard would live through
+        // `method`, which takes the write lock.
+        let found = read(&self.by_path).get(path).map(Arc::clone);
+        found.unwrap_or_else(|| self.method(path))
     }
 
     /// The method's series, created on its first call. Past
