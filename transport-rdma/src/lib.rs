@@ -126,7 +126,8 @@
 //! sending (sized by the peer's ring) once this side sends a frame too long
 //! to go inline (256 bytes with its header); `region_len` for the region
 //! once the peer first sends a frame too large for a slot, and the peer's
-//! region size for staging once this side does. Defaults: 64 × 8 KiB and
+//! region size for staging once this side does, until no frame used it for
+//! [`RdmaTransport::release_idle_staging`] (30 s). Defaults: 64 × 8 KiB and
 //! 1 MiB, so 64 KiB per connection end whose calls go one at a time and
 //! inline, 512 KiB once many ran at once, 1.1 MiB once they needed slots,
 //! up to 3.1 MiB once large ones went both ways (a listener's budget counts
@@ -291,6 +292,7 @@ pub struct RdmaTransport {
     rendezvous_threshold: Option<usize>,
     rendezvous_pool: u64,
     stream_keepalive: Option<Duration>,
+    release_idle_staging: Option<Duration>,
     admission: AdmissionLimits,
     ack_timeout: Option<u8>,
     type_of_service: Option<u8>,
@@ -314,6 +316,7 @@ impl Default for RdmaTransport {
             rendezvous_threshold: None,
             rendezvous_pool: 64 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
+            release_idle_staging: Some(Duration::from_secs(30)),
             admission: AdmissionLimits {
                 max_connections: 4096,
                 max_handshakes: 64,
@@ -476,6 +479,19 @@ impl RdmaTransport {
     /// with one worker each (`TOKIO_WORKER_THREADS=1`); p50 150 µs both.
     pub fn busy_poll(mut self, window: Option<Duration>) -> RdmaTransport {
         self.busy_poll = window;
+        self
+    }
+
+    /// A connection's staging (the registered memory its region-sized
+    /// frames are copied into and RDMA-written from, as large as the
+    /// peer's region: 1 MiB by default) is registered by the first frame
+    /// that needs it and deregistered once no frame used it for between
+    /// `after` and twice that (default 30 s; `None`: kept while the
+    /// connection lives). The next such frame registers it again (a
+    /// millisecond or so a MiB). So a connection that carried a tensor
+    /// once and then only small calls, or nothing, does not keep it pinned.
+    pub fn release_idle_staging(mut self, after: Option<Duration>) -> RdmaTransport {
+        self.release_idle_staging = after;
         self
     }
 

@@ -22,8 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::TestServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_rdma::verbs::registered_bytes;
-use transport_rdma::RdmaTransport;
+use transport_rdma::{RdmaStream, RdmaTransport};
 
 /// Connections opened (each has both ends in this process: 2x the ends).
 const CONNECTIONS: usize = 100;
@@ -213,6 +214,90 @@ async fn memory_is_registered_as_the_frames_need_it() {
         (registered_bytes() - one_at_a_time) >> 10
     );
     server.stop().await;
+}
+
+/// A connection's staging (the source of its region writes, 1 MiB: the
+/// peer's region) is deregistered once no frame used it for a while,
+/// registered again by the next frame that needs it, and kept while the
+/// connection lives when the setting is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn idle_staging_is_deregistered_and_registered_again_when_needed() {
+    const STAGING: u64 = 1 << 20;
+    const IDLE: Duration = Duration::from_millis(300);
+    const PUSH: usize = 200 << 10;
+    let env = TestEnv::from_env();
+    // Earlier tests' connections may still be closing on the teardown
+    // thread.
+    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+    assert!(
+        quiet,
+        "{} bytes still registered by earlier tests",
+        registered_bytes()
+    );
+    for release in [None, Some(IDLE)] {
+        let cfg = RdmaTransport::default().release_idle_staging(release);
+        let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
+        let addr = listener.local_addr().to_string();
+        // Takes two pushes, answering each inline (the server never
+        // writes from staging: only the client's is in play).
+        let serving = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accepts");
+            let mut pushed = vec![0; PUSH];
+            for _ in 0..2 {
+                stream.read_exact(&mut pushed).await.expect("reads a push");
+                stream.write_all(b"done").await.expect("answers");
+            }
+            let _ = stream.read(&mut [0; 1]).await;
+        });
+        let mut client = cfg.connect_stream(&addr).await.expect("connects");
+        let push = async |client: &mut RdmaStream| {
+            client.write_all(&vec![7; PUSH]).await.expect("pushes");
+            let mut answer = [0; 4];
+            tokio::time::timeout(Duration::from_secs(30), client.read_exact(&mut answer))
+                .await
+                .expect("the answer hung")
+                .expect("reads the answer");
+            assert_eq!(&answer, b"done");
+        };
+        push(&mut client).await;
+        let with_staging = registered_bytes();
+        tokio::time::sleep(4 * IDLE).await;
+        match release {
+            None => assert_eq!(
+                registered_bytes(),
+                with_staging,
+                "staging deregistered with the setting off"
+            ),
+            Some(after) => {
+                let released = support::eventually(Duration::from_secs(10), || {
+                    registered_bytes() == with_staging - STAGING
+                })
+                .await;
+                assert!(
+                    released,
+                    "{} bytes registered {:?} after the push, {with_staging} right after it: \
+                     expected the client's staging ({STAGING} bytes) deregistered after {after:?}",
+                    registered_bytes(),
+                    4 * IDLE + Duration::from_secs(10),
+                );
+            }
+        }
+        push(&mut client).await;
+        assert_eq!(
+            registered_bytes(),
+            with_staging,
+            "the second push registers staging again (or keeps it)"
+        );
+        drop(client);
+        serving.await.expect("the server's end");
+        let closed = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+        assert!(
+            closed,
+            "{} bytes registered after the close",
+            registered_bytes()
+        );
+    }
 }
 
 /// Connections of the scale test (issue 14's target).

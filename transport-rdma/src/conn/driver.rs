@@ -99,6 +99,7 @@ pub(crate) fn start_halves(
             cq_fd,
             cm_fd,
             keepalive,
+            release_idle_staging: cfg.release_idle_staging,
             _device_watch: device_watch,
         },
     ));
@@ -117,6 +118,10 @@ struct Driver {
     cq_fd: AsyncFd<CqFd>,
     cm_fd: AsyncFd<CmFd>,
     keepalive: Option<Duration>,
+    /// Staging unused this long is let go ([`State::release_idle_staging`]).
+    ///
+    /// [`State::release_idle_staging`]: super::state::State::release_idle_staging
+    release_idle_staging: Option<Duration>,
     /// Keeps the device's async-event watcher running while the driver does.
     _device_watch: device_events::WatchLease,
 }
@@ -150,6 +155,14 @@ fn repost_released(shared: &Shared) {
     st.flush(&shared.mem);
 }
 
+/// Ticks every `period`, the first a period from now; a late tick
+/// delays the next ones.
+fn ticks_every(period: Duration) -> tokio::time::Interval {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
+}
+
 /// The connection's driver: completions, connection-manager events,
 /// released slots; ends when the connection failed or both halves are
 /// dropped and everything was sent.
@@ -160,11 +173,10 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     const LINGER: Duration = Duration::from_secs(5);
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
-    let mut keepalive = d.keepalive.map(|period| {
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticks
-    });
+    let mut keepalive = d.keepalive.map(ticks_every);
+    // Ticks while staging is registered (a connection that never sends a
+    // region frame has no timer for it).
+    let mut staging_checks: Option<tokio::time::Interval> = None;
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
@@ -187,6 +199,11 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             let st = shared.lock_driver();
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
+            }
+            if let Some(period) = d.release_idle_staging {
+                if st.staging.is_some() != staging_checks.is_some() {
+                    staging_checks = st.staging.is_some().then(|| ticks_every(period));
+                }
             }
             if st.handles == 0 {
                 let done = st.proto.is_drained();
@@ -250,6 +267,13 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
             () = shared.wake_task.notified() => {}
             () = linger => {}
+            _ = async { staging_checks.as_mut().expect("checked").tick().await }, if staging_checks.is_some() => {
+                // Deregistered without the lock.
+                let released = shared.lock().release_idle_staging();
+                if released.is_some() {
+                    tracing::debug!("{}: staging unused for a while: deregistered", shared.peer);
+                }
+            }
             _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
                 let period = keepalive.as_ref().expect("checked").period();
                 let mut st = shared.lock();

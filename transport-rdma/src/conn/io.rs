@@ -165,6 +165,8 @@ impl RdmaSink {
             }
             SendDecision::Refused(refusal) => return Poll::Ready(Err(refusal_error(refusal))),
         };
+        // Keeps staging registered while a frame is encoded into it.
+        let staging;
         let in_place = match st.proto.encode_into(&reservation) {
             EncodeInto::SendSlot { slot } => {
                 // SAFETY: the slot was free: no posted send and no other
@@ -172,19 +174,20 @@ impl RdmaSink {
                 // (len <= inline_max).
                 Some(unsafe { mem.send_slice_mut(slot, HEADER_LEN..HEADER_LEN + len) })
             }
-            EncodeInto::Staging { offset } => {
-                let staging = match mem.staging() {
-                    Ok(staging) => staging,
-                    Err(e) => {
-                        st.proto.cancel_send(reservation);
-                        st.wake();
-                        return Poll::Ready(Err(super::io_error("register the staging region", e)));
-                    }
-                };
-                // SAFETY: just allocated in the staging region: no posted
-                // WRITE reads it (the peer freed it) and no other slice.
-                Some(unsafe { staging.slice_mut(offset..offset + len) })
-            }
+            EncodeInto::Staging { offset } => match st.staging(mem) {
+                Ok(registered) => {
+                    staging = registered;
+                    // SAFETY: just allocated in the staging region: no
+                    // posted WRITE reads it (the peer freed it) and no
+                    // other slice.
+                    Some(unsafe { staging.slice_mut(offset..offset + len) })
+                }
+                Err(e) => {
+                    st.proto.cancel_send(reservation);
+                    st.wake();
+                    return Poll::Ready(Err(super::io_error("register the staging region", e)));
+                }
+            },
             EncodeInto::Heap | EncodeInto::Rendezvous { .. } => None,
         };
         if let Some(mut dst) = in_place {
@@ -238,16 +241,22 @@ impl RdmaSink {
             // (its large `Bytes` by reference: each chunk is copied into
             // staging from where the application left it) or encoded,
             // without the connection's lock: completions, receivers and
-            // other senders go on meanwhile; its place is reserved.
+            // other senders go on meanwhile; its place is reserved. So is
+            // staging's registration, if it has none.
+            let register_staging = st.staging.is_none();
             drop(st);
             let encoding = CancelHeapOnUnwind {
                 shared,
                 reservation,
             };
-            if let Err(e) = mem.staging() {
-                drop(encoding);
-                return Poll::Ready(Err(super::io_error("register the staging region", e)));
-            }
+            let registered = match register_staging.then(|| mem.register_staging()) {
+                Some(Err(e)) => {
+                    drop(encoding);
+                    return Poll::Ready(Err(super::io_error("register the staging region", e)));
+                }
+                Some(Ok(registered)) => Some(registered),
+                None => None,
+            };
             let data = match frame {
                 Some(frame) => super::transfer::pieces(frame),
                 None => {
@@ -258,6 +267,10 @@ impl RdmaSink {
             };
             std::mem::forget(encoding);
             st = shared.lock();
+            match registered {
+                Some(registered) => st.install_staging(registered),
+                None => st.staging_used = true,
+            }
             let reservation = reservation.in_lane(call);
             if let Err(refusal) = st.proto.queue_frame(reservation, Some(data)) {
                 st.wake();

@@ -35,7 +35,8 @@
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it. Registered
 //!   with the first frame that needs it: a connection that only carries
-//!   small frames pins none.
+//!   small frames pins none; under the connection's lock, and let go by
+//!   the driver once unused for a while (`State::release_idle_staging`).
 
 mod cm_events;
 mod driver;

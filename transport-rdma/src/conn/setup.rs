@@ -446,6 +446,8 @@ impl Established {
             posting: false,
             batch: SendBatch::default(),
             completed: CompletionBatch::new(),
+            staging: None,
+            staging_used: false,
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
 
 use rpc_core::transport::TransportError;
@@ -39,16 +39,31 @@ pub(super) struct Buffers {
     send: SlotMemory,
     /// Data send slots (the peer's ring slots).
     data_slots: u32,
-    /// The source of our RDMA WRITEs into the peer's region, as large as
-    /// it: registered when the first frame needs it ([`staging`]), so a
-    /// connection that never sends a region-sized frame pins none.
-    ///
-    /// [`staging`]: Self::staging
-    staging: OnceLock<MemoryRegion>,
+    /// The length of staging ([`State::staging`]): the peer's region's.
     staging_len: usize,
     /// Rendezvous memory (transfers' segments, destinations), the region
     /// and staging are registered on it.
     pub(super) pd: ProtectionDomain,
+}
+
+/// The staging region, shared by the connection's state and a sender
+/// encoding a frame into it (which keeps it registered meanwhile).
+pub(super) struct Staging(MemoryRegion);
+
+// SAFETY: staging's bytes are written only with the connection's mutex
+// held (a frame encoded in place, a chunk copied in before its WRITE is
+// queued), each range by the one chunk the protocol allocated it to, and
+// read only by the device; sharing the `Arc` between threads only keeps
+// the registration alive (let go only once no chunk holds any of it:
+// `State::release_idle_staging`).
+unsafe impl Sync for Staging {}
+
+impl Deref for Staging {
+    type Target = MemoryRegion;
+
+    fn deref(&self) -> &MemoryRegion {
+        &self.0
+    }
 }
 
 /// Data send slots in the first part of the send slots, with the control
@@ -56,9 +71,9 @@ pub(super) struct Buffers {
 /// credits are 8, one of them kept for control).
 pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 
-// SAFETY: `ring`, `send` and `staging` are only accessed through their
-// `unsafe` `slice`/`slice_mut` or raw copies (the `OnceLock`s publish
-// `region`, `staging` and each part of the slots once, registered), and
+// SAFETY: `ring` and `send` are only accessed through their `unsafe`
+// `slice`/`slice_mut` or raw copies (the `OnceLock`s publish `region` and
+// each part of the slots once, registered), and
 // each byte range is owned by exactly one party at a time, as the protocol
 // state (under the connection's mutex) records: the device while posted,
 // the state while being encoded or handled, or one `SlotGuard` while the
@@ -88,20 +103,16 @@ impl Buffers {
             region_len: own.region_len as usize,
             send,
             data_slots: peer.ring_slots,
-            staging: OnceLock::new(),
             staging_len: peer.region_len as usize,
             pd,
         }
     }
 
-    /// The staging region, registered on first use (a millisecond or so
-    /// for the default 1 MiB, once per connection). Fails only if the
-    /// device or the locked-memory limit refuses the registration; the
-    /// frame that needed it fails then, and the next one tries again.
-    pub(super) fn staging(&self) -> Result<&MemoryRegion, crate::verbs::Error> {
-        registered_once(&self.staging, || {
-            MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
-        })
+    /// Registers a staging region (a millisecond or so for the default
+    /// 1 MiB). Fails only if the device or the locked-memory limit refuses
+    /// the registration.
+    pub(super) fn register_staging(&self) -> Result<MemoryRegion, crate::verbs::Error> {
+        MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
     }
 
     /// Registers the region the peer asked for (once: the protocol asks
@@ -181,6 +192,18 @@ pub(super) struct State {
     pub(super) batch: SendBatch,
     /// Room for polled completions, kept for its allocation (and zeroing).
     pub(super) completed: CompletionBatch,
+    /// The source of our RDMA WRITEs into the peer's region, as large as
+    /// it: registered when a frame needs it ([`staging`](Self::staging)),
+    /// so a connection that never sends a region-sized frame pins none,
+    /// and let go once unused for a while ([`release_idle_staging`]).
+    /// Declared after `qp`: freed after the QP is destroyed.
+    ///
+    /// [`release_idle_staging`]: Self::release_idle_staging
+    pub(super) staging: Option<Arc<Staging>>,
+    /// Staging was used since the last [`release_idle_staging`].
+    ///
+    /// [`release_idle_staging`]: Self::release_idle_staging
+    pub(super) staging_used: bool,
 }
 
 /// A rendezvous destination: registered memory for local write only (the
@@ -359,6 +382,42 @@ impl Shared {
 }
 
 impl State {
+    /// The staging region, registered if it is not (once per connection,
+    /// and again after [`release_idle_staging`]). Fails only if the device
+    /// or the locked-memory limit refuses the registration; the frame that
+    /// needed it fails then, and the next one tries again.
+    ///
+    /// [`release_idle_staging`]: Self::release_idle_staging
+    pub(super) fn staging(&mut self, mem: &Buffers) -> Result<Arc<Staging>, crate::verbs::Error> {
+        self.staging_used = true;
+        if self.staging.is_none() {
+            self.staging = Some(Arc::new(Staging(mem.register_staging()?)));
+        }
+        Ok(Arc::clone(self.staging.as_ref().expect("just set")))
+    }
+
+    /// Keeps `registered` (from [`Buffers::register_staging`], made
+    /// without the lock) as staging, unless staging was registered
+    /// meanwhile.
+    pub(super) fn install_staging(&mut self, registered: MemoryRegion) {
+        self.staging_used = true;
+        if self.staging.is_none() {
+            self.staging = Some(Arc::new(Staging(registered)));
+        }
+    }
+
+    /// Lets staging go if nothing used it since the last call and no
+    /// chunk holds any of it (every WRITE from it landed and the peer
+    /// freed its bytes, so no posted or queued request refers to it);
+    /// returns it, for the caller to deregister without the lock.
+    pub(super) fn release_idle_staging(&mut self) -> Option<Arc<Staging>> {
+        let used = std::mem::take(&mut self.staging_used);
+        if used || self.proto.region_in_use() > 0 || self.proto.failure().is_some() {
+            return None;
+        }
+        self.staging.take()
+    }
+
     /// The pool gets a dropped frame's charge back; its destination is
     /// kept as a spare while the budget allows.
     pub(super) fn release_destination(&mut self, len: usize, destination: PoolBuffer) {
@@ -552,8 +611,9 @@ impl State {
             Transmit::Write {
                 offset, len, data, ..
             } => {
-                // The sink registered staging before it queued the frame.
-                let staging = mem.staging()?;
+                // Registered by the sink before it queued the frame, or
+                // again here if it was let go while the frame waited.
+                let staging = self.staging(mem)?;
                 if let Some(data) = data {
                     // The chunk's staging bytes were just allocated to it:
                     // no posted WRITE reads them (the peer freed them, so
@@ -580,7 +640,7 @@ impl State {
                 unsafe {
                     self.qp.queue_write(
                         WorkKind::Write.wr_id(0),
-                        staging,
+                        &staging,
                         offset..offset + len,
                         peer_region,
                         offset as u64,

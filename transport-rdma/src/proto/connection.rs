@@ -1840,7 +1840,9 @@ impl Connection {
         self.ring.outstanding()
     }
 
-    /// Bytes of the peer's region allocated and not yet freed.
+    /// Bytes of the peer's region, and of our staging at the same
+    /// offsets, allocated and not yet freed: a chunk holds its bytes from
+    /// its allocation until the peer frees them, after its WRITE landed.
     pub fn region_in_use(&self) -> u64 {
         self.writer.in_use()
     }

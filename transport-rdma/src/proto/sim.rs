@@ -567,6 +567,16 @@ fn pick_len(rng: &mut XorShift) -> usize {
 /// wire; new slots of a grown ring count once reported), and: posted
 /// slots cover every credit and message in flight.
 fn check(a: &Side, b: &Side, to_b: &VecDeque<Msg>, to_a: &VecDeque<Msg>) {
+    // What lets a connection deregister its staging: no chunk holds any
+    // of it. The peer's region holding one of our chunks means its bytes
+    // came from our staging and are not yet freed.
+    for (me, peer) in [(a, b), (b, a)] {
+        assert!(
+            me.conn.region_in_use() > 0 || !peer.occupied.contains(&true),
+            "region space counted free while the peer's region holds a chunk: {}",
+            me.conn.summary()
+        );
+    }
     let carried = |w: &VecDeque<Msg>| w.iter().map(|m| u32::from(m.header().credits)).sum::<u32>();
     // Receives completed but not yet polled hold a slot, and the credits
     // they carry are not granted yet.
