@@ -216,14 +216,16 @@ async fn memory_is_registered_as_the_frames_need_it() {
     server.stop().await;
 }
 
-/// A connection's staging (the source of its region writes, 1 MiB: the
-/// peer's region) is deregistered once no frame used it for a while,
-/// registered again by the next frame that needs it, and kept while the
-/// connection lives when the setting is off.
+/// A connection's staging (the source of its region writes) and the
+/// peer's region it writes into (1 MiB each by default) are deregistered
+/// once no frame used them for a while, registered again by the next frame
+/// that needs them, and kept while the connection lives when the setting is
+/// off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn idle_staging_is_deregistered_and_registered_again_when_needed() {
-    const STAGING: u64 = 1 << 20;
+async fn idle_regions_are_deregistered_and_registered_again_when_needed() {
+    // The client's staging and the server's region.
+    const REGIONS: u64 = 2 << 20;
     const IDLE: Duration = Duration::from_millis(300);
     const PUSH: usize = 200 << 10;
     let env = TestEnv::from_env();
@@ -236,7 +238,7 @@ async fn idle_staging_is_deregistered_and_registered_again_when_needed() {
         registered_bytes()
     );
     for release in [None, Some(IDLE)] {
-        let cfg = RdmaTransport::default().release_idle_staging(release);
+        let cfg = RdmaTransport::default().release_idle_regions(release);
         let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
         let addr = listener.local_addr().to_string();
         // Takes two pushes, answering each inline (the server never
@@ -261,23 +263,24 @@ async fn idle_staging_is_deregistered_and_registered_again_when_needed() {
             assert_eq!(&answer, b"done");
         };
         push(&mut client).await;
-        let with_staging = registered_bytes();
+        let with_regions = registered_bytes();
         tokio::time::sleep(4 * IDLE).await;
         match release {
             None => assert_eq!(
                 registered_bytes(),
-                with_staging,
-                "staging deregistered with the setting off"
+                with_regions,
+                "staging or region deregistered with the setting off"
             ),
             Some(after) => {
                 let released = support::eventually(Duration::from_secs(10), || {
-                    registered_bytes() == with_staging - STAGING
+                    registered_bytes() == with_regions - REGIONS
                 })
                 .await;
                 assert!(
                     released,
-                    "{} bytes registered {:?} after the push, {with_staging} right after it: \
-                     expected the client's staging ({STAGING} bytes) deregistered after {after:?}",
+                    "{} bytes registered {:?} after the push, {with_regions} right after it: \
+                     expected the client's staging and the server's region ({REGIONS} bytes) \
+                     deregistered after {after:?}",
                     registered_bytes(),
                     4 * IDLE + Duration::from_secs(10),
                 );
@@ -286,8 +289,8 @@ async fn idle_staging_is_deregistered_and_registered_again_when_needed() {
         push(&mut client).await;
         assert_eq!(
             registered_bytes(),
-            with_staging,
-            "the second push registers staging again (or keeps it)"
+            with_regions,
+            "the second push registers staging and the region again (or keeps them)"
         );
         drop(client);
         serving.await.expect("the server's end");

@@ -99,7 +99,7 @@ pub(crate) fn start_halves(
             cq_fd,
             cm_fd,
             keepalive,
-            release_idle_staging: cfg.release_idle_staging,
+            release_idle_regions: cfg.release_idle_regions,
             _device_watch: device_watch,
         },
     ));
@@ -118,10 +118,11 @@ struct Driver {
     cq_fd: AsyncFd<CqFd>,
     cm_fd: AsyncFd<CmFd>,
     keepalive: Option<Duration>,
-    /// Staging unused this long is let go ([`State::release_idle_staging`]).
+    /// Staging and the peer's region unused this long are let go
+    /// ([`State::release_idle_regions`]).
     ///
-    /// [`State::release_idle_staging`]: super::state::State::release_idle_staging
-    release_idle_staging: Option<Duration>,
+    /// [`State::release_idle_regions`]: super::state::State::release_idle_regions
+    release_idle_regions: Option<Duration>,
     /// Keeps the device's async-event watcher running while the driver does.
     _device_watch: device_events::WatchLease,
 }
@@ -174,9 +175,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
     let mut keepalive = d.keepalive.map(ticks_every);
-    // Ticks while staging is registered (a connection that never sends a
-    // region frame has no timer for it).
-    let mut staging_checks: Option<tokio::time::Interval> = None;
+    // Ticks while this side holds staging or the peer's region (a
+    // connection that never sends a region frame has no timer for it).
+    let mut region_checks: Option<tokio::time::Interval> = None;
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
@@ -200,9 +201,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
             }
-            if let Some(period) = d.release_idle_staging {
-                if st.staging.is_some() != staging_checks.is_some() {
-                    staging_checks = st.staging.is_some().then(|| ticks_every(period));
+            if let Some(period) = d.release_idle_regions {
+                if st.holds_regions() != region_checks.is_some() {
+                    region_checks = st.holds_regions().then(|| ticks_every(period));
                 }
             }
             if st.handles == 0 {
@@ -267,12 +268,16 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
             () = shared.wake_task.notified() => {}
             () = linger => {}
-            _ = async { staging_checks.as_mut().expect("checked").tick().await }, if staging_checks.is_some() => {
-                // Deregistered without the lock.
-                let released = shared.lock().release_idle_staging();
-                if released.is_some() {
-                    tracing::debug!("{}: staging unused for a while: deregistered", shared.peer);
+            _ = async { region_checks.as_mut().expect("checked").tick().await }, if region_checks.is_some() => {
+                let mut st = shared.lock();
+                let staging = st.release_idle_regions();
+                st.flush(&shared.mem);
+                drop(st);
+                if staging.is_some() {
+                    tracing::debug!("{}: no large frame for a while: staging and the peer's region let go", shared.peer);
                 }
+                // Deregistered here, without the lock.
+                drop(staging);
             }
             _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
                 let period = keepalive.as_ref().expect("checked").period();

@@ -11,7 +11,7 @@ use bytes::{BufMut, Bytes};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 
-use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Shared, State};
+use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Received, Shared, State};
 use super::transfer::OutgoingTransfer;
 use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
 
@@ -372,7 +372,12 @@ impl FrameSource for RdmaSource {
         // With a busy-poll window: until when this poll spins on the CQ.
         let mut spin: Option<Spin> = None;
         let result = loop {
-            let Some(delivered) = st.proto.poll_delivery(mem) else {
+            let state = &mut *st;
+            let received = Received {
+                ring: &mem.ring,
+                region: state.region.as_ref(),
+            };
+            let Some(delivered) = state.proto.poll_delivery(&received) else {
                 // Look in the CQ before waiting for the driver: a frame
                 // that is already there is not delayed by a wake-up, and
                 // this task does not wake itself for it. Another task's

@@ -21,7 +21,8 @@
 //!   the peer keeps half of those consumed ([`slots`]);
 //! - `region`: the large-payload region the peer RDMA-writes into
 //!   (local + remote write: the only remotely writable memory), registered
-//!   when the peer first asks for it;
+//!   when the peer asks for it and deregistered when the peer gives it
+//!   back (idle);
 //! - `send`: send slots (the peer's slot size, one per peer ring slot plus
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
 //!   of heap-encoded frames); small frames are encoded into them. In
@@ -36,7 +37,7 @@
 //!   at the same offsets; region frames are encoded into it. Registered
 //!   with the first frame that needs it: a connection that only carries
 //!   small frames pins none; under the connection's lock, and let go by
-//!   the driver once unused for a while (`State::release_idle_staging`).
+//!   the driver once unused for a while (`State::release_idle_regions`).
 
 mod cm_events;
 mod driver;

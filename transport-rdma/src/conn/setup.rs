@@ -448,6 +448,7 @@ impl Established {
             completed: CompletionBatch::new(),
             staging: None,
             staging_used: false,
+            region: None,
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),

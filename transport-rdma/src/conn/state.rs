@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Waker};
 
 use rpc_core::transport::TransportError;
@@ -26,12 +26,7 @@ use crate::verbs::{
 
 pub(super) struct Buffers {
     pub(super) ring: SlotMemory,
-    /// The large-payload region the peer RDMA-writes into (local and
-    /// remote write): registered when the peer asks for it
-    /// ([`Transmit::RegisterRegion`](proto::Transmit::RegisterRegion)),
-    /// so a connection whose peer sends small frames only has no remotely
-    /// writable memory at all.
-    region: OnceLock<MemoryRegion>,
+    /// The length of the region ([`State::region`]).
     region_len: usize,
     /// Send slots, in memory order: data slots `0..FIRST_DATA_SLOTS`, the
     /// control and chunk slots, then the other data slots, in doublings
@@ -55,7 +50,7 @@ pub(super) struct Staging(MemoryRegion);
 // queued), each range by the one chunk the protocol allocated it to, and
 // read only by the device; sharing the `Arc` between threads only keeps
 // the registration alive (let go only once no chunk holds any of it:
-// `State::release_idle_staging`).
+// `State::release_idle_regions`).
 unsafe impl Sync for Staging {}
 
 impl Deref for Staging {
@@ -72,17 +67,13 @@ impl Deref for Staging {
 pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 
 // SAFETY: `ring` and `send` are only accessed through their `unsafe`
-// `slice`/`slice_mut` or raw copies (the `OnceLock`s publish `region` and
-// each part of the slots once, registered), and
+// `slice`/`slice_mut` or raw copies (the `OnceLock`s publish each part of
+// the slots once, registered), and
 // each byte range is owned by exactly one party at a time, as the protocol
 // state (under the connection's mutex) records: the device while posted,
 // the state while being encoded or handled, or one `SlotGuard` while the
-// application holds a received frame.
-// `region` (remotely writable) is only read, by raw copies under the
-// connection's mutex, of chunks the peer's protocol has finished writing (a
-// peer that writes anyway changes only the bytes we copy, never memory a
-// Rust reference covers). So sharing `&Buffers` between threads races on
-// nothing.
+// application holds a received frame. So sharing `&Buffers` between
+// threads races on nothing.
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
@@ -99,7 +90,6 @@ impl Buffers {
     ) -> Buffers {
         Buffers {
             ring,
-            region: OnceLock::new(),
             region_len: own.region_len as usize,
             send,
             data_slots: peer.ring_slots,
@@ -115,16 +105,13 @@ impl Buffers {
         MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
     }
 
-    /// Registers the region the peer asked for (once: the protocol asks
-    /// once), remotely writable.
-    fn register_region(&self) -> Result<&MemoryRegion, crate::verbs::Error> {
-        registered_once(&self.region, || {
-            MemoryRegion::new(
-                &self.pd,
-                self.region_len,
-                Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-            )
-        })
+    /// Registers a region for the peer (remotely writable).
+    fn register_region(&self) -> Result<MemoryRegion, crate::verbs::Error> {
+        MemoryRegion::new(
+            &self.pd,
+            self.region_len,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
     }
 
     /// The memory of send slot `slot` (the protocol's numbering: data
@@ -195,14 +182,25 @@ pub(super) struct State {
     /// The source of our RDMA WRITEs into the peer's region, as large as
     /// it: registered when a frame needs it ([`staging`](Self::staging)),
     /// so a connection that never sends a region-sized frame pins none,
-    /// and let go once unused for a while ([`release_idle_staging`]).
+    /// and let go once unused for a while ([`release_idle_regions`]).
     /// Declared after `qp`: freed after the QP is destroyed.
     ///
-    /// [`release_idle_staging`]: Self::release_idle_staging
+    /// [`release_idle_regions`]: Self::release_idle_regions
     pub(super) staging: Option<Arc<Staging>>,
-    /// Staging was used since the last [`release_idle_staging`].
+    /// The large-payload region the peer RDMA-writes into (local and
+    /// remote write): registered when the peer asks for it
+    /// ([`Transmit::RegisterRegion`](proto::Transmit::RegisterRegion)),
+    /// so a connection whose peer sends small frames only has no remotely
+    /// writable memory at all, and deregistered when the peer gives it
+    /// back ([`Transmit::DeregisterRegion`](proto::Transmit::DeregisterRegion)).
+    /// Only read, by raw copies under the connection's mutex, of chunks
+    /// the peer's protocol has finished writing (a peer that writes anyway
+    /// changes only the bytes we copy, never memory a Rust reference
+    /// covers). Declared after `qp`: freed after the QP is destroyed.
+    pub(super) region: Option<MemoryRegion>,
+    /// Staging was used since the last [`release_idle_regions`].
     ///
-    /// [`release_idle_staging`]: Self::release_idle_staging
+    /// [`release_idle_regions`]: Self::release_idle_regions
     pub(super) staging_used: bool,
 }
 
@@ -383,11 +381,11 @@ impl Shared {
 
 impl State {
     /// The staging region, registered if it is not (once per connection,
-    /// and again after [`release_idle_staging`]). Fails only if the device
+    /// and again after [`release_idle_regions`]). Fails only if the device
     /// or the locked-memory limit refuses the registration; the frame that
     /// needed it fails then, and the next one tries again.
     ///
-    /// [`release_idle_staging`]: Self::release_idle_staging
+    /// [`release_idle_regions`]: Self::release_idle_regions
     pub(super) fn staging(&mut self, mem: &Buffers) -> Result<Arc<Staging>, crate::verbs::Error> {
         self.staging_used = true;
         if self.staging.is_none() {
@@ -406,15 +404,24 @@ impl State {
         }
     }
 
-    /// Lets staging go if nothing used it since the last call and no
-    /// chunk holds any of it (every WRITE from it landed and the peer
-    /// freed its bytes, so no posted or queued request refers to it);
-    /// returns it, for the caller to deregister without the lock.
-    pub(super) fn release_idle_staging(&mut self) -> Option<Arc<Staging>> {
+    /// Whether this side holds memory for its large frames to the peer:
+    /// staging, or the peer's region granted.
+    pub(super) fn holds_regions(&self) -> bool {
+        self.staging.is_some() || self.proto.peer_region().is_some()
+    }
+
+    /// If no frame used staging since the last call and no chunk holds
+    /// any of it (every WRITE from it landed and the peer freed its bytes,
+    /// so no posted or queued request refers to it): gives the peer's
+    /// region back (the peer deregisters it; see
+    /// [`proto::Connection::return_idle_region`]) and lets staging go,
+    /// returning it for the caller to deregister without the lock.
+    pub(super) fn release_idle_regions(&mut self) -> Option<Arc<Staging>> {
         let used = std::mem::take(&mut self.staging_used);
         if used || self.proto.region_in_use() > 0 || self.proto.failure().is_some() {
             return None;
         }
+        self.proto.return_idle_region();
         self.staging.take()
     }
 
@@ -499,32 +506,23 @@ impl Drop for Locked<'_> {
     }
 }
 
+/// Where received bytes lie: the ring, and the region if registered.
+pub(super) struct Received<'a> {
+    pub(super) ring: &'a SlotMemory,
+    pub(super) region: Option<&'a MemoryRegion>,
+}
+
 /// The verbs layer reads received bytes for the protocol by raw copies.
-impl ReadReceived for Buffers {
+impl ReadReceived for Received<'_> {
     fn read_slot(&self, slot: u32, offset: usize, dst: &mut [u8]) {
         self.ring.read_into(slot, offset, dst);
     }
 
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
         self.region
-            .get()
-            .expect("chunks arrive only in a region we granted")
+            .expect("chunks arrive only in a region we granted, kept until they are consumed")
             .read_into(offset, dst);
     }
-}
-
-/// The memory in `cell`, registered by `register` the first time.
-fn registered_once(
-    cell: &OnceLock<MemoryRegion>,
-    register: impl FnOnce() -> Result<MemoryRegion, crate::verbs::Error>,
-) -> Result<&MemoryRegion, crate::verbs::Error> {
-    if let Some(region) = cell.get() {
-        return Ok(region);
-    }
-    let region = register()?;
-    // Two first users at once: one registration wins, the other is
-    // dropped unused.
-    Ok(cell.get_or_init(|| region))
 }
 
 pub(super) fn connection_error(reason: &str) -> TransportError {
@@ -736,12 +734,19 @@ impl State {
                 match mem.register_region() {
                     Ok(region) => {
                         let remote = region.remote();
+                        self.region = Some(region);
                         self.proto.region_registered(remote.addr, remote.rkey);
                     }
                     Err(e) => self
                         .proto
                         .fail(format!("registering the region the peer asked for: {e}")),
                 }
+                Ok(())
+            }
+            Transmit::DeregisterRegion => {
+                // The peer will not write it again (it said so after its
+                // last WRITE), and every chunk in it was consumed.
+                self.region = None;
                 Ok(())
             }
             Transmit::Send {
@@ -819,7 +824,7 @@ impl State {
                     .min(mem.ring.slot_size());
                 // A raw copy out of the slot whose receive completed: the
                 // device no longer writes it.
-                mem.read_slot(slot, 0, &mut header[..header_len]);
+                mem.ring.read_into(slot, 0, &mut header[..header_len]);
             }
         }
         self.proto.handle_completion(Completion {

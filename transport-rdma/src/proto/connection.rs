@@ -188,6 +188,10 @@ pub enum Transmit {
     /// slot): register it, remotely writable, and report it with
     /// [`Connection::region_registered`]; the grant goes then.
     RegisterRegion,
+    /// The peer returned our region (`RegionReturned`: it went idle, every
+    /// chunk it wrote was consumed): deregister it. A later
+    /// [`RegisterRegion`](Self::RegisterRegion) registers a new one.
+    DeregisterRegion,
     /// The peer keeps half our ring's slots in use consumed: register
     /// slots `from..to` (as many again as are in use, up to the whole ring)
     /// and report it with [`Connection::ring_registered`] (their receives
@@ -225,6 +229,9 @@ enum PeerRegion {
     Asked,
     /// Granted: the address remote requests name its start by, its rkey.
     Granted { addr: u64, rkey: u32 },
+    /// Granted and idle: `RegionReturned` goes with the next control slot,
+    /// unless a frame needs the region before then (it stays granted).
+    Returning { addr: u64, rkey: u32 },
 }
 
 /// Our region, as the peer asks for it.
@@ -873,6 +880,12 @@ impl Connection {
         }
         let max_chunk = self.writer.max_chunk() as usize;
         let route = route(len, self.inline_max, max_chunk);
+        if let (PeerRegion::Returning { addr, rkey }, Route::Region | Route::Chunked) =
+            (self.peer_region, route)
+        {
+            // Needed again before it went back: kept.
+            self.peer_region = PeerRegion::Granted { addr, rkey };
+        }
         if route != Route::Inline && !matches!(self.peer_region, PeerRegion::Granted { .. }) {
             // The first frame for the peer's region asks for it, and it
             // and the ones after it wait for the grant.
@@ -1263,6 +1276,22 @@ impl Connection {
             self.probe = false;
             self.push_send(WorkKind::Control, slot, Header::new(Kind::RegionWanted), 0);
         }
+        // Giving the peer's region back likewise (see `return_idle_region`).
+        if let PeerRegion::Returning { addr, rkey } = self.peer_region {
+            if !self.region_idle() {
+                self.peer_region = PeerRegion::Granted { addr, rkey };
+            } else if !self.free_ctrl.is_empty() && self.credits.take_data() {
+                let slot = self.free_ctrl.pop().expect("checked");
+                self.peer_region = PeerRegion::Unasked;
+                self.probe = false;
+                self.push_send(
+                    WorkKind::Control,
+                    slot,
+                    Header::new(Kind::RegionReturned),
+                    0,
+                );
+            }
+        }
         // The grant may take the last credit, as a `Credit` message does
         // (it returns credits as one does): the peer's frames wait for it,
         // and the peer may be waiting for them before it reads ours.
@@ -1549,6 +1578,22 @@ impl Connection {
                 }
                 self.own_region = OwnRegion::Registering;
                 self.transmit.push_back(Transmit::RegisterRegion);
+            }
+            Kind::RegionReturned => {
+                self.repost(slot);
+                if self.own_region != OwnRegion::Granted {
+                    return Err(ProtocolError::new(format!(
+                        "the peer returned a region we did not grant ({:?})",
+                        self.own_region
+                    )));
+                }
+                if !self.reader.all_freed() {
+                    return Err(ProtocolError::new(
+                        "the peer returned our region with chunks in it not yet consumed",
+                    ));
+                }
+                self.own_region = OwnRegion::Unasked;
+                self.transmit.push_back(Transmit::DeregisterRegion);
             }
             Kind::RegionGranted => {
                 self.repost(slot);
@@ -1840,6 +1885,29 @@ impl Connection {
         self.ring.outstanding()
     }
 
+    /// Gives the peer's region back if it is granted and idle: nothing of
+    /// it allocated (every chunk written was consumed), nothing queued,
+    /// the connection open, and a control slot and a credit free for the
+    /// `RegionReturned` (else it stays, for a later try). From then on a
+    /// frame that needs the region asks for it again. Returns whether it
+    /// was given back.
+    pub fn return_idle_region(&mut self) -> bool {
+        let PeerRegion::Granted { addr, rkey } = self.peer_region else {
+            return false;
+        };
+        if !self.region_idle() || self.lifecycle != Lifecycle::Open || self.failure().is_some() {
+            return false;
+        }
+        self.peer_region = PeerRegion::Returning { addr, rkey };
+        true
+    }
+
+    /// Nothing of the peer's region allocated (every chunk written was
+    /// consumed) and no frame queued that may need it.
+    fn region_idle(&self) -> bool {
+        self.writer.in_use() == 0 && self.queue.is_empty()
+    }
+
     /// Bytes of the peer's region, and of our staging at the same
     /// offsets, allocated and not yet freed: a chunk holds its bytes from
     /// its allocation until the peer frees them, after its WRITE landed.
@@ -1864,7 +1932,9 @@ impl Connection {
     /// [`Transmit::Write`] writes into.
     pub fn peer_region(&self) -> Option<(u64, u32)> {
         match self.peer_region {
-            PeerRegion::Granted { addr, rkey } => Some((addr, rkey)),
+            PeerRegion::Granted { addr, rkey } | PeerRegion::Returning { addr, rkey } => {
+                Some((addr, rkey))
+            }
             _ => None,
         }
     }
@@ -2475,6 +2545,130 @@ mod tests {
             posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
             "{posted:?}"
         );
+    }
+
+    /// A writer whose region frames were all consumed gives the region
+    /// back when told it is idle (not while a chunk holds any of it, and
+    /// not if a region frame comes first); the owner deregisters it; the
+    /// next region frame asks for a new one.
+    #[test]
+    fn an_idle_writer_returns_the_region_and_asks_again_when_needed() {
+        let mut writer = Connection::new(connection_config());
+        let mut owner = Connection::new(connection_config());
+        // The owner here never sees the chunks: `freed_to` is what it
+        // would have freed.
+        let grant = |writer: &mut Connection, owner: &mut Connection, freed_to: u64| {
+            let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+            assert_eq!(control_kinds(&posted), [Kind::RegionWanted], "{posted:?}");
+            complete(
+                owner,
+                WorkKind::Recv.wr_id(0),
+                &message(Kind::RegionWanted, 0, 0),
+            );
+            let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+            assert!(posted.contains(&Transmit::RegisterRegion), "{posted:?}");
+            owner.region_registered(0x1000, 77);
+            let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+            assert_eq!(control_kinds(&posted), [Kind::RegionGranted], "{posted:?}");
+            let mut granted = Header::new(Kind::RegionGranted);
+            (granted.pos, granted.total, granted.freed_to) = (0x1000, 77, freed_to);
+            complete(writer, WorkKind::Recv.wr_id(0), &granted.to_bytes());
+        };
+        assert_eq!(writer.handle_send(100), SendDecision::Wait);
+        grant(&mut writer, &mut owner, 0);
+        let SendDecision::Encode(reservation) = writer.handle_send(100) else {
+            panic!("granted, yet the region frame waits")
+        };
+        writer.queue_frame(reservation, None).unwrap();
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert!(
+            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
+            "{posted:?}"
+        );
+        assert!(
+            !writer.return_idle_region(),
+            "returned with a chunk in the region"
+        );
+
+        // The owner consumed the chunk and says so.
+        let mut freed = Header::new(Kind::Credit);
+        freed.freed_to = 100;
+        complete(&mut writer, WorkKind::Recv.wr_id(1), &freed.to_bytes());
+        assert_eq!(writer.failure(), None);
+        assert_eq!(writer.region_in_use(), 0);
+        // A region frame right after the decision keeps the region.
+        assert!(writer.return_idle_region());
+        let SendDecision::Encode(reservation) = writer.handle_send(100) else {
+            panic!("a region frame waits while the region is being returned")
+        };
+        writer.queue_frame(reservation, None).unwrap();
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert_eq!(control_kinds(&posted), [], "{posted:?}");
+        assert!(
+            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
+            "{posted:?}"
+        );
+        freed.freed_to = 200;
+        complete(&mut writer, WorkKind::Recv.wr_id(2), &freed.to_bytes());
+
+        // Idle now: it goes back, and the next region frame asks again.
+        assert!(writer.return_idle_region());
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert_eq!(control_kinds(&posted), [Kind::RegionReturned], "{posted:?}");
+        assert_eq!(writer.peer_region(), None);
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(1),
+            &message(Kind::RegionReturned, 0, 0),
+        );
+        let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+        assert!(posted.contains(&Transmit::DeregisterRegion), "{posted:?}");
+        assert_eq!(writer.handle_send(100), SendDecision::Wait);
+        grant(&mut writer, &mut owner, 200);
+        assert_eq!((writer.failure(), owner.failure()), (None, None));
+        assert_eq!(writer.peer_region(), Some((0x1000, 77)));
+    }
+
+    /// A region returned that was never granted, or with a chunk in it
+    /// not yet consumed, fails the connection: nothing is deregistered
+    /// under a chunk still to be read.
+    #[test]
+    fn a_region_returned_out_of_turn_fails_the_connection() {
+        let mut owner = Connection::new(connection_config());
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RegionReturned, 0, 0),
+        );
+        let failure = owner.failure().expect("an ungranted region returned");
+        assert!(failure.contains("did not grant"), "{failure}");
+
+        let mut owner = Connection::new(connection_config());
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RegionWanted, 0, 0),
+        );
+        while owner.poll_transmit().is_some() {}
+        owner.region_registered(0x1000, 77);
+        while owner.poll_transmit().is_some() {}
+        let mut chunk = Header::new(Kind::Chunk);
+        chunk.flags = FIRST | LAST;
+        chunk.len = 50;
+        chunk.total = 50;
+        complete(&mut owner, WorkKind::Recv.wr_id(1), &chunk.to_bytes());
+        assert_eq!(owner.failure(), None);
+        complete(
+            &mut owner,
+            WorkKind::Recv.wr_id(2),
+            &message(Kind::RegionReturned, 0, 0),
+        );
+        let failure = owner
+            .failure()
+            .expect("a region returned with a chunk unread");
+        assert!(failure.contains("not yet consumed"), "{failure}");
+        let posted: Vec<_> = std::iter::from_fn(|| owner.poll_transmit()).collect();
+        assert!(!posted.contains(&Transmit::DeregisterRegion), "{posted:?}");
     }
 
     /// The grant goes even when the owner's data credits are spent (its

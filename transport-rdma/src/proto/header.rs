@@ -31,12 +31,16 @@ pub enum Kind {
     Done = 6,
     /// The sender has a frame for the receiver's region: the receiver
     /// registers it (it exists only once asked for) and answers
-    /// `RegionGranted`. Sent once per connection, at most.
+    /// `RegionGranted`. Sent again only after `RegionReturned`.
     RegionWanted = 7,
     /// The answer to `RegionWanted`: the region may be written from now on;
     /// `pos` is the address remote requests name its start by, `total` its
     /// rkey (its length is the hello's).
     RegionGranted = 8,
+    /// The sender will not write the receiver's region any more (it went
+    /// idle with all of it freed): the receiver deregisters it. The next
+    /// frame that needs one asks again (`RegionWanted`).
+    RegionReturned = 9,
 }
 
 /// The header of one message.
@@ -115,6 +119,7 @@ impl Header {
             6 => Kind::Done,
             7 => Kind::RegionWanted,
             8 => Kind::RegionGranted,
+            9 => Kind::RegionReturned,
             other => return Err(ProtocolError::new(format!("unknown message kind {other}"))),
         };
         let header = Header {
@@ -193,7 +198,7 @@ impl Header {
                     return Err(ProtocolError::new("malformed RegionGranted message"));
                 }
             }
-            Kind::Credit | Kind::Close | Kind::RegionWanted => {
+            Kind::Credit | Kind::Close | Kind::RegionWanted | Kind::RegionReturned => {
                 if body != 0
                     || header.flags != 0
                     || header.len != 0
@@ -239,7 +244,7 @@ mod tests {
     fn rejects_malformed() {
         assert!(Header::decode(&[0; 8], 8).is_err());
         let mut bad = full(Header::new(Kind::Credit));
-        bad[0] = 9;
+        bad[0] = 10;
         assert!(Header::decode(&bad, HEADER_LEN).is_err());
         let mut inline = Header::new(Kind::Inline);
         inline.len = 10;

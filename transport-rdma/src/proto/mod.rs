@@ -42,14 +42,16 @@
 //! once). The
 //! receiver's region exists once the sender asked for it: `RegionWanted`
 //! before its first `Chunk`, answered by `RegionGranted` (the region's
-//! address and rkey), each at most once per connection and direction.
+//! address and rkey); a sender that went idle with all of the region
+//! freed gives it back (`RegionReturned`: the receiver deregisters it) and
+//! asks again when a frame needs it.
 //! `Announce` and `Done` carry the rendezvous of large frames (the
 //! receiver RDMA READs them out of the sender's memory): see the
 //! `rendezvous` module's docs, [`Announcement`] and [`RendezvousConfig`].
 //! (Version 2 added them; version 4 the region on request, where version 3
 //! put its address and rkey in the hello; version 5 the ring's first slots,
-//! where version 4 posted all of them; a peer of another version is
-//! refused at connect.)
+//! where version 4 posted all of them; version 6 `RegionReturned`; a peer
+//! of another version is refused at connect.)
 
 pub mod auth;
 mod connection;

@@ -176,6 +176,11 @@ impl RegionReader {
         self.freed_to = self.head;
     }
 
+    /// Whether every chunk accepted so far has been freed.
+    pub fn all_freed(&self) -> bool {
+        self.freed_to == self.head
+    }
+
     /// Whether freed space waits to be reported to the peer.
     pub fn wants_report(&self) -> bool {
         self.freed_to > self.reported

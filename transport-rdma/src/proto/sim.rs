@@ -201,7 +201,8 @@ impl Side {
 /// The simulated device's reads for `poll_delivery`.
 struct SimMemory<'a> {
     slots: &'a [Vec<u8>],
-    region: &'a [u8],
+    /// The region, while registered.
+    region: Option<&'a [u8]>,
 }
 
 impl ReadReceived for SimMemory<'_> {
@@ -209,7 +210,10 @@ impl ReadReceived for SimMemory<'_> {
         dst.copy_from_slice(&self.slots[slot as usize][offset..offset + dst.len()]);
     }
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
-        dst.copy_from_slice(&self.region[offset..offset + dst.len()]);
+        let region = self
+            .region
+            .expect("a chunk read from a region not registered");
+        dst.copy_from_slice(&region[offset..offset + dst.len()]);
     }
 }
 
@@ -394,6 +398,17 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 me.region_registered = true;
                 me.conn.region_registered(0, 0);
             }
+            Transmit::DeregisterRegion => {
+                assert!(me.region_registered, "a region deregistered twice");
+                assert!(
+                    !me.occupied.contains(&true),
+                    "the region deregistered with a chunk in it"
+                );
+                me.region_registered = false;
+                // What a read of it now would see.
+                me.region.fill(0xEE);
+                REGIONS_RETURNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             Transmit::RegisterRing { from, to } => {
                 assert_eq!(
                     from,
@@ -492,7 +507,7 @@ fn poll(me: &mut Side) -> usize {
     }
     let mem = SimMemory {
         slots: &me.slots,
-        region: &me.region,
+        region: me.region_registered.then_some(&me.region[..]),
     };
     while let Some(d) = me.conn.poll_delivery(&mem) {
         if d == Delivered::Eof {
@@ -672,9 +687,17 @@ fn run(seed: u64, steps: usize) {
             }
             8 => {
                 poll(&mut a);
+                // Now and then, a side that finds itself idle gives the
+                // peer's region back (the driver's tick).
+                if rng.below(8) == 0 {
+                    a.conn.return_idle_region();
+                }
             }
             9 => {
                 poll(&mut b);
+                if rng.below(8) == 0 {
+                    b.conn.return_idle_region();
+                }
             }
             _ => {
                 release_one(&mut a, &mut rng);
@@ -776,7 +799,7 @@ fn run(seed: u64, steps: usize) {
     for (side, name) in [(&mut a, "a"), (&mut b, "b")] {
         let mem = SimMemory {
             slots: &side.slots,
-            region: &side.region,
+            region: side.region_registered.then_some(&side.region[..]),
         };
         assert_eq!(
             side.conn.poll_delivery(&mem),
@@ -792,6 +815,8 @@ fn run(seed: u64, steps: usize) {
 }
 
 static RENDEZVOUS_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Regions given back by their writer (and deregistered by their owner).
+static REGIONS_RETURNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Rings that grew while traffic ran.
 static RINGS_GROWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Runs without the rendezvous where a frame was delivered before one
@@ -808,6 +833,8 @@ fn randomized_two_endpoints() {
     assert!(RENDEZVOUS_READS.load(std::sync::atomic::Ordering::Relaxed) > 1000);
     assert!(RINGS_GROWN.load(std::sync::atomic::Ordering::Relaxed) > 50);
     assert!(PASSED.load(std::sync::atomic::Ordering::Relaxed) > 10);
+    // Regions were given back and asked for again.
+    assert!(REGIONS_RETURNED.load(std::sync::atomic::Ordering::Relaxed) > 100);
 }
 
 /// Small frames of other calls queued behind a chunked frame go between
