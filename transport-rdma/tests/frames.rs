@@ -477,16 +477,66 @@ async fn a_killed_peer_process_fails_the_connection_promptly() {
     }
 }
 
+/// Region frames each way with pauses long enough for both sides to give
+/// the peer's region back and deregister their staging: every pause lets
+/// go of exactly the two regions and the two stagings (8 KiB each here),
+/// every round registers them again, and the frames arrive intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn regions_given_back_while_idle_are_asked_for_again() {
+    const IDLE: Duration = Duration::from_millis(50);
+    const REGIONS_AND_STAGINGS: u64 = 4 * 8192;
+    let env = TestEnv::from_env();
+    let cfg = tiny().release_idle_regions(Some(IDLE));
+    let (mut client, mut server) = pair(&env, &cfg).await;
+    let registered = transport_rdma::verbs::registered_bytes;
+    for round in 0..6u64 {
+        // One region chunk, then a chunked frame, each way.
+        for (k, len) in [3000, 20_000].into_iter().enumerate() {
+            let id = round * 2 + k as u64;
+            let body = payload(id as usize, len);
+            send(&client.sink, id, &body).await.expect("client sends");
+            let frame = recv(&mut server)
+                .await
+                .expect("server receives")
+                .expect("a frame");
+            check(&frame, id, &body);
+            send(&server.sink, id, &frame.slice(HEAD_LEN..))
+                .await
+                .expect("server echoes");
+            let frame = recv(&mut client)
+                .await
+                .expect("client receives")
+                .expect("an echo");
+            check(&frame, id, &body);
+        }
+        let busy = registered();
+        let released = rpc_test_support::eventually(Duration::from_secs(10), || {
+            registered() == busy - REGIONS_AND_STAGINGS
+        })
+        .await;
+        assert!(
+            released,
+            "round {round}: {} bytes registered after the pause, {busy} while busy: \
+             expected both regions and both stagings ({REGIONS_AND_STAGINGS} bytes) let go",
+            registered()
+        );
+    }
+}
+
 /// Port of `frames_across_the_wire`'s server in a two-host run.
 const WIRE_PORT: u16 = 7481;
 
 /// In a two-host run, frames of every size cross the wire between the two
-/// guests (server echoes, client checks); with one host, over the device.
+/// guests (server echoes, client checks), the client pausing now and then
+/// long enough for both sides to give the regions back (asked for again
+/// by the next large frame); with one host, over the device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn frames_across_the_wire() {
+    const IDLE: Duration = Duration::from_millis(100);
     let env = TestEnv::from_env();
-    let cfg = RdmaTransport::default();
+    let cfg = RdmaTransport::default().release_idle_regions(Some(IDLE));
     let mut sizes = vec![0, 1, 100];
     for limit in [8160, 512 << 10, 1 << 20] {
         sizes.extend(around(limit));
@@ -537,6 +587,9 @@ async fn frames_across_the_wire() {
                     .expect("client receives")
                     .expect("an echo");
                 check(&frame, i as u64, &payload(i, n));
+                if i % 3 == 2 {
+                    tokio::time::sleep(4 * IDLE).await;
+                }
             }
             conn.sink.close();
             assert!(recv(&mut conn).await.is_ok(), "the server ends cleanly");
