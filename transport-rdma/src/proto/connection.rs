@@ -2536,8 +2536,14 @@ mod tests {
         );
         assert_eq!(writer.failure(), None);
         assert_eq!(writer.peer_region(), Some((0x1000, 77)));
+        sends_region_frame(&mut writer);
+    }
+
+    /// Sends a 100-byte frame through the granted region: it goes at once
+    /// (a WRITE is posted); returns what was posted.
+    fn sends_region_frame(writer: &mut Connection) -> Vec<Transmit> {
         let SendDecision::Encode(reservation) = writer.handle_send(100) else {
-            panic!("the region frame still waits once granted")
+            panic!("the region is granted, yet the region frame waits")
         };
         writer.queue_frame(reservation, None).unwrap();
         let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
@@ -2545,6 +2551,7 @@ mod tests {
             posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
             "{posted:?}"
         );
+        posted
     }
 
     /// A writer whose region frames were all consumed gives the region
@@ -2576,15 +2583,7 @@ mod tests {
         };
         assert_eq!(writer.handle_send(100), SendDecision::Wait);
         grant(&mut writer, &mut owner, 0);
-        let SendDecision::Encode(reservation) = writer.handle_send(100) else {
-            panic!("granted, yet the region frame waits")
-        };
-        writer.queue_frame(reservation, None).unwrap();
-        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
-        assert!(
-            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
-            "{posted:?}"
-        );
+        sends_region_frame(&mut writer);
         assert!(
             !writer.return_idle_region(),
             "returned with a chunk in the region"
@@ -2598,16 +2597,8 @@ mod tests {
         assert_eq!(writer.region_in_use(), 0);
         // A region frame right after the decision keeps the region.
         assert!(writer.return_idle_region());
-        let SendDecision::Encode(reservation) = writer.handle_send(100) else {
-            panic!("a region frame waits while the region is being returned")
-        };
-        writer.queue_frame(reservation, None).unwrap();
-        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        let posted = sends_region_frame(&mut writer);
         assert_eq!(control_kinds(&posted), [], "{posted:?}");
-        assert!(
-            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
-            "{posted:?}"
-        );
         freed.freed_to = 200;
         complete(&mut writer, WorkKind::Recv.wr_id(2), &freed.to_bytes());
 
