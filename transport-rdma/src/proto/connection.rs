@@ -1885,12 +1885,12 @@ impl Connection {
         self.ring.outstanding()
     }
 
-    /// Gives the peer's region back if it is granted and idle: nothing of
-    /// it allocated (every chunk written was consumed), nothing queued,
-    /// the connection open, and a control slot and a credit free for the
-    /// `RegionReturned` (else it stays, for a later try). From then on a
-    /// frame that needs the region asks for it again. Returns whether it
-    /// was given back.
+    /// Decides to give the peer's region back if it is granted and idle
+    /// (nothing of it allocated: every chunk written was consumed; nothing
+    /// queued) and the connection open: `RegionReturned` goes with the
+    /// next control slot and data credit, unless a frame needs the region
+    /// before then (it stays granted). From then on a frame that needs
+    /// the region asks for it again. Returns whether it decided so.
     pub fn return_idle_region(&mut self) -> bool {
         let PeerRegion::Granted { addr, rkey } = self.peer_region else {
             return false;
