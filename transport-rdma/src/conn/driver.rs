@@ -202,8 +202,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 break;
             }
             if let Some(period) = d.release_idle_regions {
-                if st.holds_regions() != region_checks.is_some() {
-                    region_checks = st.holds_regions().then(|| ticks_every(period));
+                let holds = st.holds_regions();
+                if holds != region_checks.is_some() {
+                    region_checks = holds.then(|| ticks_every(period));
                 }
             }
             if st.handles == 0 {

@@ -249,13 +249,12 @@ impl RdmaSink {
                 shared,
                 reservation,
             };
-            let registered = match register_staging.then(|| mem.register_staging()) {
-                Some(Err(e)) => {
+            let registered = match register_staging.then(|| mem.register_staging()).transpose() {
+                Ok(registered) => registered,
+                Err(e) => {
                     drop(encoding);
                     return Poll::Ready(Err(super::io_error("register the staging region", e)));
                 }
-                Some(Ok(registered)) => Some(registered),
-                None => None,
             };
             let data = match frame {
                 Some(frame) => super::transfer::pieces(frame),
@@ -267,10 +266,7 @@ impl RdmaSink {
             };
             std::mem::forget(encoding);
             st = shared.lock();
-            match registered {
-                Some(registered) => st.install_staging(registered),
-                None => st.staging_used = true,
-            }
+            st.use_staging(registered);
             let reservation = reservation.in_lane(call);
             if let Err(refusal) = st.proto.queue_frame(reservation, Some(data)) {
                 st.wake();

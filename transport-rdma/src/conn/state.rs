@@ -387,20 +387,18 @@ impl State {
     ///
     /// [`release_idle_regions`]: Self::release_idle_regions
     pub(super) fn staging(&mut self, mem: &Buffers) -> Result<Arc<Staging>, crate::verbs::Error> {
-        self.staging_used = true;
-        if self.staging.is_none() {
-            self.staging = Some(Arc::new(Staging(mem.register_staging()?)));
-        }
-        Ok(Arc::clone(self.staging.as_ref().expect("just set")))
+        let registered = self.staging.is_none().then(|| mem.register_staging());
+        self.use_staging(registered.transpose()?);
+        Ok(Arc::clone(self.staging.as_ref().expect("kept")))
     }
 
-    /// Keeps `registered` (from [`Buffers::register_staging`], made
-    /// without the lock) as staging, unless staging was registered
-    /// meanwhile.
-    pub(super) fn install_staging(&mut self, registered: MemoryRegion) {
+    /// Marks staging used, keeping `registered` (from
+    /// [`Buffers::register_staging`], perhaps made without the lock) as
+    /// staging unless one is registered already.
+    pub(super) fn use_staging(&mut self, registered: Option<MemoryRegion>) {
         self.staging_used = true;
         if self.staging.is_none() {
-            self.staging = Some(Arc::new(Staging(registered)));
+            self.staging = registered.map(|r| Arc::new(Staging(r)));
         }
     }
 
