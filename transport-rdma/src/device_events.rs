@@ -14,18 +14,29 @@
 //! last lease on its device is dropped. Events that queued while no watcher
 //! ran are read when the next one starts (see [`backlog_target`]).
 //!
+//! The watcher also reads the connection manager's events of the
+//! device's established connections: each moves its `cm_id` to the
+//! watcher's event channel ([`WatchLease::cm_channel`]), so a connection
+//! holds no descriptor of its own for them, and the watcher ends the one
+//! an event ends ([`registry::end_by_cm_event`]). Those events that come
+//! while no watcher runs are not needed: the watcher stops only once no
+//! connection on the device is left.
+//!
 //! The policy ([`target`]) is a pure function, tested on any machine; the
 //! reading is [`AsyncEvents`]'s, in the verbs layer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rpc_core::transport::TransportError;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
 use crate::registry::{self, Target};
-use crate::verbs::{AsyncEvent, AsyncEventKind, AsyncEvents, CmId, DeviceId, EventElement};
+use crate::verbs::{
+    AsyncEvent, AsyncEventKind, AsyncEvents, CmEventRecord, CmId, DeviceId, EventChannel,
+    EventElement,
+};
 
 /// Which connections `event` fails, if any.
 pub(crate) fn target(event: &AsyncEvent) -> Option<Target> {
@@ -75,14 +86,24 @@ pub(crate) fn reason(device: &str, event: &AsyncEvent) -> String {
 pub(crate) struct WatchLease {
     device: DeviceId,
     watcher: u64,
+    cm_channel: Arc<EventChannel>,
 }
 
-/// A running watcher: how many leases hold it, and its stop signal (it
-/// stops when this is dropped).
+impl WatchLease {
+    /// The event channel the watcher reads: move the connection's `cm_id`
+    /// to it ([`CmId::migrate`]).
+    pub(crate) fn cm_channel(&self) -> &Arc<EventChannel> {
+        &self.cm_channel
+    }
+}
+
+/// A running watcher: how many leases hold it, its connection-manager
+/// channel, and its stop signal (it stops when this is dropped).
 struct Watcher {
     device: DeviceId,
     id: u64,
     leases: usize,
+    cm_channel: Arc<EventChannel>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -107,8 +128,10 @@ pub(crate) fn watch(id: &CmId) -> Result<WatchLease, TransportError> {
         return Ok(WatchLease {
             device,
             watcher: w.id,
+            cm_channel: Arc::clone(&w.cm_channel),
         });
     }
+    let cm_channel = EventChannel::new().map_err(verbs_error)?;
     let events = AsyncEvents::new(id).map_err(verbs_error)?;
     let name = events.device_name();
     take_backlog(&events, &name);
@@ -116,20 +139,24 @@ pub(crate) fn watch(id: &CmId) -> Result<WatchLease, TransportError> {
         .enable_io()
         .build()
         .map_err(|e| TransportError::io(context, e))?;
-    let fd = {
+    let (fd, cm_fd) = {
         let _in_runtime = runtime.enter();
         // SAFETY: `EventsFd` owns the `AsyncEvents`, which keeps the device
         // context open (see its docs): the descriptor it returns is always
         // the same and stays open until the AsyncFd (which owns it) drops.
-        unsafe { AsyncFd::register(EventsFd(events)) }
-            .map_err(|e| TransportError::io(context, e.into_parts().1))?
+        let fd = unsafe { AsyncFd::register(EventsFd(events)) }
+            .map_err(|e| TransportError::io(context, e.into_parts().1))?;
+        // SAFETY: likewise, the `Arc` keeps the channel and its descriptor.
+        let cm_fd = unsafe { AsyncFd::register(Arc::clone(&cm_channel)) }
+            .map_err(|e| TransportError::io(context, e.into_parts().1))?;
+        (fd, cm_fd)
     };
     let (stop, stopped) = oneshot::channel();
     let watcher = NEXT_WATCHER.fetch_add(1, Ordering::Relaxed);
     std::thread::Builder::new()
         .name(format!("rdma-events-{name}"))
         .spawn(move || {
-            runtime.block_on(run(fd, name, stopped));
+            runtime.block_on(run(fd, cm_fd, name, stopped));
             // A watcher that stopped on its own (a read error) leaves the
             // registry, so that the next connection starts a new one.
             watchers().retain(|w| w.id != watcher);
@@ -139,9 +166,14 @@ pub(crate) fn watch(id: &CmId) -> Result<WatchLease, TransportError> {
         device,
         id: watcher,
         leases: 1,
+        cm_channel: Arc::clone(&cm_channel),
         _stop: stop,
     });
-    Ok(WatchLease { device, watcher })
+    Ok(WatchLease {
+        device,
+        watcher,
+        cm_channel,
+    })
 }
 
 impl Drop for WatchLease {
@@ -187,32 +219,75 @@ fn take_backlog(events: &AsyncEvents, name: &str) {
     }
 }
 
-/// The watcher: reads events until stopped (or reading fails).
-async fn run(fd: AsyncFd<EventsFd>, name: String, mut stop: oneshot::Receiver<()>) {
+/// The watcher: reads the device's async events and its connections'
+/// connection-manager events until stopped (or reading fails).
+async fn run(
+    fd: AsyncFd<EventsFd>,
+    cm_fd: AsyncFd<Arc<EventChannel>>,
+    name: String,
+    mut stop: oneshot::Receiver<()>,
+) {
     let events = &fd.get_ref().0;
     let device = events.device_id();
     loop {
-        let mut guard = tokio::select! {
-            ready = fd.readable() => match ready {
-                Ok(guard) => guard,
-                Err(e) => {
-                    give_up(device, &name, &format!("waiting for async events: {e}"));
-                    return;
+        tokio::select! {
+            ready = fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => {
+                        give_up(device, &name, &format!("waiting for async events: {e}"));
+                        return;
+                    }
                 }
-            },
-            _ = &mut stop => return,
-        };
-        guard.clear_ready();
-        loop {
-            match events.try_next() {
-                Ok(Some(event)) => act(device, &name, &event, target(&event), ""),
-                Ok(None) => break,
-                Err(e) => {
-                    give_up(device, &name, &format!("reading async events: {e}"));
-                    return;
+                loop {
+                    match events.try_next() {
+                        Ok(Some(event)) => act(device, &name, &event, target(&event), ""),
+                        Ok(None) => break,
+                        Err(e) => {
+                            give_up(device, &name, &format!("reading async events: {e}"));
+                            return;
+                        }
+                    }
                 }
             }
+            ready = cm_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => {
+                        give_up(device, &name, &format!("waiting for connection manager events: {e}"));
+                        return;
+                    }
+                }
+                loop {
+                    match cm_fd.get_ref().try_next() {
+                        Ok(Some(event)) => end_connection(&event),
+                        Ok(None) => break,
+                        Err(e) => {
+                            give_up(device, &name, &format!("reading connection manager events: {e}"));
+                            return;
+                        }
+                    }
+                }
+            }
+            _ = &mut stop => return,
         }
+    }
+}
+
+/// Ends the connection a connection-manager event ends (a disconnect, an
+/// address change, the device's removal); the others (`TIMEWAIT_EXIT`)
+/// need nothing.
+fn end_connection(event: &CmEventRecord) {
+    let kind = event.event();
+    if !kind.ends_connection() {
+        tracing::debug!("connection manager event {}: nothing to do", kind.name());
+        return;
+    }
+    if !registry::end_by_cm_event(event.id_addr(), &kind.name()) {
+        tracing::debug!(
+            "connection manager event {} for a connection gone already",
+            kind.name()
+        );
     }
 }
 
@@ -254,6 +329,7 @@ mod tests {
         port: 1,
         qp_num: 0x11,
         cq: CqId(0xc0),
+        cm_id: 0x5000,
     };
 
     #[test]

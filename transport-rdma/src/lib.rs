@@ -45,7 +45,10 @@
 //!   the other's against its limits ([`proto::Hello`]). Set-ups are
 //!   async: the connection manager's events are awaited on the tokio
 //!   runtime (each set-up's event channel registered with it), so no
-//!   thread waits for a peer, however many set-ups are under way.
+//!   thread waits for a peer, however many set-ups are under way. Once
+//!   established, a connection's id moves to the event channel its
+//!   device's watcher reads, so an open connection holds one descriptor
+//!   (its completion channel).
 //! - **Small frames** (up to [`RdmaTransport::inline_threshold`], at most a
 //!   slot minus the 32-byte header) travel by SEND into a ring of receive
 //!   slots the peer keeps posted. A sender needs a credit per message;

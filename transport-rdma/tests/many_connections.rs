@@ -36,6 +36,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     transport_rdma::install();
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let before = pinned_bytes();
+    let fds_before = open_fds();
 
     let mut channels = Vec::with_capacity(CONNECTIONS);
     for i in 0..CONNECTIONS {
@@ -44,6 +45,20 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
             .unwrap_or_else(|e| panic!("connection {i} of {CONNECTIONS}: {e}"));
         channels.push(channel);
     }
+    // Each end holds one descriptor, its completion channel; its
+    // connection manager events go to its device's watcher, which holds
+    // the few descriptors all ends share (its runtime's, its channel: 5 in
+    // the guest), and a server end still being accepted has its set-up's
+    // channel. (Before the watcher read them, each end had its own event
+    // channel: 4 a connection.)
+    let fds = open_fds() - fds_before;
+    let fds_budget = 2 * CONNECTIONS + 16;
+    println!("{CONNECTIONS} connections: {fds} descriptors opened (budget {fds_budget})");
+    assert!(
+        fds <= fds_budget,
+        "{fds} descriptors opened for {CONNECTIONS} connections ({} ends), over {fds_budget}",
+        2 * CONNECTIONS
+    );
     // One inline and one region-sized call on every connection at once.
     let calls = channels.iter().enumerate().map(|(i, channel)| {
         let client = Client::new(channel.clone());
@@ -338,7 +353,8 @@ const SCALE_CONCURRENT_SETUPS: usize = 32;
 /// once), then all closed at once. Asserts: registered memory while open within the budget of
 /// 20 KiB per end (8 x 512 B ring, 16 x 512 B send slots, 4 KiB region,
 /// 4 KiB staging: [`pinned_per_end`]); registered memory and open file
-/// descriptors back to their baselines after close; the server answering a
+/// descriptors back to their baselines after close, and one descriptor per
+/// end while open; the server answering a
 /// probe connection throughout. Prints fds per connection and the
 /// machine's memory taken per connection (queue pairs, completion queues
 /// and connection-manager state in the kernel: not registered memory).
@@ -346,7 +362,7 @@ const SCALE_CONCURRENT_SETUPS: usize = 32;
 /// The transport's peer limits (`max_peer`) are the same small geometry:
 /// the send queue is sized for the largest ring a peer may announce.
 ///
-/// Measured in the 2 GiB Soft-RoCE guest (debug build): 4 fds and
+/// Measured in the 2 GiB Soft-RoCE guest (debug build): 2 fds and
 /// 215-235 KiB of the machine's memory per connection (both ends: 40 KiB
 /// registered, ~150 KiB of kernel slab and vmalloc for the QPs, CQs and
 /// cm_ids, the rest this process's heap), so 2,000 take ~450 MiB; 38 s in
@@ -371,7 +387,8 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     ));
     // Each connection holds a few descriptors per end (event channels,
     // completion channels): make room for 8 per connection.
-    let want_fds = 1024 + 8 * SCALE_CONNECTIONS as u64;
+    // One per end open, and one more per set-up under way.
+    let want_fds = 1024 + 4 * SCALE_CONNECTIONS as u64;
     let fd_limit = raise_fd_limit(want_fds);
     assert!(
         fd_limit >= want_fds,
@@ -452,6 +469,13 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     assert!(
         pinned >= budget / 2,
         "only {pinned} bytes registered for {SCALE_CONNECTIONS} connections: are they all open?"
+    );
+    // One descriptor per end, its completion channel (see
+    // `hundreds_of_connection_ends_carry_calls_within_their_memory_budget`).
+    let fds = open.fds - before.fds;
+    assert!(
+        fds <= 2 * SCALE_CONNECTIONS + 16,
+        "{fds} descriptors open for {SCALE_CONNECTIONS} connections, over one per end"
     );
 
     // Close them all at once: memory and descriptors come back

@@ -3,7 +3,6 @@
 //! (`AsyncFd`), every wait bounded by the set-up's time limit. No thread
 //! is held while the peer (or the fabric) takes its time.
 
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,20 +13,11 @@ use crate::verbs::{Error, EventChannel, Result};
 pub(super) use crate::verbs::ffi::rdma_cm_event_type as event;
 pub(super) use crate::verbs::CmEventRecord as Event;
 
-/// A shared handle on the channel, which keeps its descriptor open.
-struct ChannelFd(Arc<EventChannel>);
-
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.fd()
-    }
-}
-
 /// The events of one set-up's channel, as they arrive. Registered while
-/// the set-up waits on it; drop it before the connection's driver
-/// registers the same channel (a descriptor is registered once).
+/// the set-up waits on it; the established connection's id then moves to
+/// its device watcher's channel ([`crate::device_events`]).
 pub(super) struct CmEvents {
-    fd: AsyncFd<ChannelFd>,
+    fd: AsyncFd<Arc<EventChannel>>,
     timeout: Duration,
 }
 
@@ -35,11 +25,10 @@ impl CmEvents {
     /// Registers `channel` with the runtime; each wait gives up after
     /// `timeout`.
     pub(super) fn new(channel: &Arc<EventChannel>, timeout: Duration) -> Result<Self> {
-        // SAFETY: `ChannelFd` holds an `Arc` of the channel, so the
-        // descriptor it returns is always the same and stays open until
-        // the AsyncFd (which owns the `ChannelFd`, and deregisters before
-        // dropping it) is dropped.
-        let fd = unsafe { AsyncFd::register(ChannelFd(Arc::clone(channel))) }
+        // SAFETY: the `Arc` keeps the channel, so the descriptor it returns
+        // is always the same and stays open until the AsyncFd (which owns
+        // the `Arc`, and deregisters before dropping it) is dropped.
+        let fd = unsafe { AsyncFd::register(Arc::clone(channel)) }
             .map_err(|e| Error::GetCmEvent(e.into_parts().1))?;
         Ok(Self { fd, timeout })
     }
@@ -50,7 +39,7 @@ impl CmEvents {
         let wait = async {
             loop {
                 let mut guard = self.fd.readable().await.map_err(Error::GetCmEvent)?;
-                match guard.get_inner().0.try_next()? {
+                match guard.get_inner().try_next()? {
                     Some(event) => return Ok(event),
                     // Drained: wait for the descriptor's next edge.
                     None => guard.clear_ready(),

@@ -27,22 +27,13 @@ impl AsRawFd for CqFd {
     }
 }
 
-/// The connection's `cm_id`, registered with tokio by its event channel's descriptor.
-struct CmFd(CmId);
-
-impl AsRawFd for CmFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.channel().fd()
-    }
-}
-
-fn register<T: AsRawFd>(inner: T, what: &str) -> Result<AsyncFd<T>, TransportError> {
-    // SAFETY: `inner` (a `CqFd` or `CmFd`) owns the object whose open
-    // descriptor it returns, always the same one; the AsyncFd owns `inner`,
-    // so the descriptor stays open until the AsyncFd is dropped (it
-    // deregisters before dropping `inner`).
+fn register(inner: CqFd) -> Result<AsyncFd<CqFd>, TransportError> {
+    // SAFETY: `inner` owns the channel whose open descriptor it returns,
+    // always the same one; the AsyncFd owns `inner`, so the descriptor
+    // stays open until the AsyncFd is dropped (it deregisters before
+    // dropping `inner`).
     unsafe { AsyncFd::register(inner) }
-        .map_err(|e| TransportError::io(format!("register the {what}"), e.into_parts().1))
+        .map_err(|e| TransportError::io("register the completion channel", e.into_parts().1))
 }
 
 /// Starts an established connection's driver task; returns its frame
@@ -81,14 +72,17 @@ pub(crate) fn start_halves(
         .map_err(|e| io_error("find the connection's device objects", e))?;
     // From here on the QP and the memory live in `Shared` (QP first), so
     // an error below drops them in that order.
-    let (shared, id, cc) = est.into_shared(limits, cfg);
-    let cq_fd = register(CqFd(cc), "completion channel")?;
-    let cm_fd = register(CmFd(id), "connection manager channel")?;
+    let (shared, mut id, cc) = est.into_shared(limits, cfg);
+    let cq_fd = register(CqFd(cc))?;
     let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;
     registry::add(Arc::downgrade(&live), placement);
     // After the connection is in the registry: a starting watcher acts on the
-    // events that queued before it, this connection's included.
-    let device_watch = device_events::watch(&cm_fd.get_ref().0)?;
+    // events that queued before it, this connection's included, and the
+    // connection manager's events for the id (those not read yet come
+    // along) go to the watcher from here on.
+    let device_watch = device_events::watch(&id)?;
+    id.migrate(device_watch.cm_channel())
+        .map_err(|e| io_error("move the connection's events to its device's watcher", e))?;
     shared
         .cq
         .arm()
@@ -97,7 +91,7 @@ pub(crate) fn start_halves(
         Arc::clone(&shared),
         Driver {
             cq_fd,
-            cm_fd,
+            id,
             keepalive,
             release_idle_regions: cfg.release_idle_regions,
             _device_watch: device_watch,
@@ -116,7 +110,9 @@ pub(crate) fn start_halves(
 
 struct Driver {
     cq_fd: AsyncFd<CqFd>,
-    cm_fd: AsyncFd<CmFd>,
+    /// The connection's `cm_id`; its events are read by the device's
+    /// watcher, which sets [`Shared::ended_by_cm`].
+    id: CmId,
     keepalive: Option<Duration>,
     /// Staging and the peer's region unused this long are let go
     /// ([`State::release_idle_regions`]).
@@ -181,9 +177,22 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
+    let mut cm_end_taken = false;
     loop {
+        let ended = (!cm_end_taken).then(|| shared.ended_by_cm.get()).flatten();
         let drained = drain_cq(&shared);
         repost_released(&shared);
+        if let Some(event) = ended {
+            cm_end_taken = true;
+            // What the peer sent before it went was in the CQ, taken just
+            // now (its `Close`, its last frames). Orderly if the peer said
+            // Close first (what arrived before it is still delivered); else
+            // a failure.
+            let mut st = shared.lock();
+            st.proto
+                .handle_disconnected(&format!("{}: {event}", shared.peer));
+            st.wake();
+        }
         if drained > 0 {
             // The tasks just woken (a receiver whose frame arrived, senders
             // given room) wait in this worker's LIFO slot, which no other
@@ -243,30 +252,6 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                     shared.lock().fail(format!("arming the completion queue: {e}"));
                 }
             }
-            ready = d.cm_fd.readable() => {
-                match ready {
-                    Ok(mut guard) => guard.clear_ready(),
-                    Err(e) => { shared.lock().fail(format!("waiting for CM events: {e}")); continue; }
-                }
-                loop {
-                    match d.cm_fd.get_ref().0.channel().try_event() {
-                        Ok(Some(event)) if event.ends_connection() => {
-                            // What the peer sent before it went is in the CQ:
-                            // take it first (its `Close`, its last frames).
-                            drain_cq(&shared);
-                            // Orderly if the peer said Close first (what
-                            // arrived before it is still delivered); else a
-                            // failure.
-                            let mut st = shared.lock();
-                            st.proto.handle_disconnected(&format!("{}: {}", shared.peer, event.name()));
-                            st.wake();
-                        }
-                        Ok(Some(_)) => {}
-                        Ok(None) => break,
-                        Err(e) => { shared.lock().fail(format!("reading CM events: {e}")); break; }
-                    }
-                }
-            }
             () = shared.wake_task.notified() => {}
             () = linger => {}
             _ = async { region_checks.as_mut().expect("checked").tick().await }, if region_checks.is_some() => {
@@ -303,7 +288,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
         }
     }
-    let _ = d.cm_fd.get_mut().0.disconnect();
+    let _ = d.id.disconnect();
     // Wake whoever waits: they see the failure (or the end).
     let mut st = shared.lock();
     for w in st.send_waiters.drain(..) {
@@ -316,6 +301,6 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     // The cm_id and the completion channel, out of tokio's reactor here,
     // go to the teardown thread too (destroyed there once the connection's
     // other objects, which hold them, are).
-    let Driver { cq_fd, cm_fd, .. } = d;
-    teardown::drop_later((shared, cm_fd.into_inner(), cq_fd.into_inner()));
+    let Driver { cq_fd, id, .. } = d;
+    teardown::drop_later((shared, id, cq_fd.into_inner()));
 }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
 use tokio::sync::Notify;
@@ -457,6 +457,7 @@ impl Established {
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
+            ended_by_cm: OnceLock::new(),
             peer: peer_addr,
             _lease: DropLater::new(lease),
         });

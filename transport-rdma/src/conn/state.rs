@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
 
 use rpc_core::transport::TransportError;
@@ -328,6 +328,9 @@ pub(super) struct Shared {
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
     pub(super) wake_task: Notify,
+    /// The connection manager's event that ended the connection (set by
+    /// the device's watcher, acted on by the driver).
+    pub(super) ended_by_cm: OnceLock<String>,
     pub(super) peer: String,
     /// A server's connection gives its admission back once its memory
     /// (above) is freed.
@@ -845,6 +848,12 @@ impl LiveConnection for Shared {
         // The driver disconnects and ends.
         self.wake_task.notify_one();
         newly
+    }
+
+    fn end_from_cm_event(&self, event: &str) {
+        // The first such event counts; the driver acts on it.
+        let _ = self.ended_by_cm.set(event.to_string());
+        self.wake_task.notify_one();
     }
 
     fn summary(&self) -> String {

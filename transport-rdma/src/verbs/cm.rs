@@ -3,7 +3,7 @@
 use std::ffi::CStr;
 use std::net::{SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
@@ -12,10 +12,10 @@ use rdma_sys::rdma_cm_event_type as event;
 use super::{last_os_error, Error, Result};
 
 /// An `rdma_event_channel`: where the connection manager reports events for
-/// the `cm_id`s created on it. Its file descriptor is non-blocking: take
-/// events with [`try_event`](Self::try_event) when it is readable (the
-/// transport registers it with tokio), or with the blocking waits of
-/// [`CmId`], which use `poll(2)` with a timeout.
+/// the `cm_id`s created on (or migrated to) it. Its file descriptor is
+/// non-blocking: the transport registers it with tokio and takes events
+/// when it is readable; the blocking waits of [`CmId`] use `poll(2)` with
+/// a timeout.
 pub struct EventChannel {
     raw: NonNull<ffi::rdma_event_channel>,
 }
@@ -26,7 +26,7 @@ unsafe impl Send for EventChannel {}
 // SAFETY: as for Send: every method goes through thread-safe librdmacm calls.
 unsafe impl Sync for EventChannel {}
 
-/// A connection manager event, as [`EventChannel::try_event`] returns it.
+/// A connection manager event's kind and status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CmEvent {
     /// `rdma_cm_event_type` (e.g. `RDMA_CM_EVENT_DISCONNECTED`).
@@ -81,14 +81,6 @@ impl EventChannel {
     pub fn fd(&self) -> libc::c_int {
         // SAFETY: `raw` points to the live channel this value owns.
         unsafe { self.raw.as_ref().fd }
-    }
-
-    /// Takes the next event without waiting, if there is one.
-    pub fn try_event(&self) -> Result<Option<CmEvent>> {
-        Ok(self.try_next()?.map(|e| CmEvent {
-            kind: e.kind,
-            status: e.status,
-        }))
     }
 
     /// Takes the next event without waiting, if there is one, with what
@@ -152,6 +144,12 @@ impl EventChannel {
     }
 }
 
+impl std::os::fd::AsRawFd for EventChannel {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd()
+    }
+}
+
 impl Drop for EventChannel {
     fn drop(&mut self) {
         // SAFETY: every `cm_id` on this channel holds an `Arc` to it, so none
@@ -170,6 +168,20 @@ pub(crate) struct Event {
 }
 
 impl Event {
+    /// Its kind and status.
+    pub(crate) fn event(&self) -> CmEvent {
+        CmEvent {
+            kind: self.kind,
+            status: self.status,
+        }
+    }
+
+    /// The address of the `rdma_cm_id` it is about: which connection's
+    /// (compare with [`CmId::addr`]).
+    pub(crate) fn id_addr(&self) -> usize {
+        self.id as usize
+    }
+
     /// This event, if it is `expected`; otherwise the error naming both.
     pub(crate) fn expect(self, expected: event::Type) -> Result<Self> {
         if self.kind == expected {
@@ -271,7 +283,9 @@ impl SharedCmId {
 
 struct CmIdInner {
     raw: NonNull<ffi::rdma_cm_id>,
-    channel: Arc<EventChannel>,
+    /// The channel it reports on (changed only by [`CmId::migrate`], which
+    /// takes the owner's `&mut`); destroyed after the id.
+    channel: Mutex<Arc<EventChannel>>,
 }
 
 // SAFETY: librdmacm calls on an id are thread-safe; the value only holds
@@ -326,7 +340,7 @@ impl CmId {
         Ok(Self {
             inner: Arc::new(CmIdInner {
                 raw,
-                channel: Arc::clone(channel),
+                channel: Mutex::new(Arc::clone(channel)),
             }),
         })
     }
@@ -338,28 +352,31 @@ impl CmId {
         Ok(Self {
             inner: Arc::new(CmIdInner {
                 raw,
-                channel: Arc::clone(channel),
+                channel: Mutex::new(Arc::clone(channel)),
             }),
         })
     }
 
     /// The event channel this id reports on.
-    pub fn channel(&self) -> &Arc<EventChannel> {
-        &self.inner.channel
+    pub fn channel(&self) -> Arc<EventChannel> {
+        Arc::clone(&self.inner.channel.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Moves this id's events to `channel` (`rdma_migrate_id`), e.g. an
-    /// accepted connection's away from its listener's channel. Fails with
-    /// [`Error::Shared`] if objects made from it (holding a
-    /// shared handle) exist yet: do it first.
+    /// Moves this id's events, those not read yet included, to `channel`
+    /// (`rdma_migrate_id`): an accepted connection's away from its
+    /// listener's channel, an established connection's to the channel its
+    /// device's watcher reads. The old channel sees none of its events
+    /// after this; whoever waits on it for this id waits in vain.
     pub fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<()> {
-        let inner = Arc::get_mut(&mut self.inner).ok_or(Error::Shared)?;
         // SAFETY: the id and both channels are live; no event of the id is
-        // held unacknowledged (events are acknowledged as soon as read).
-        if unsafe { ffi::rdma_migrate_id(inner.raw.as_ptr(), channel.raw.as_ptr()) } != 0 {
+        // held unacknowledged (events are acknowledged as soon as read), so
+        // this does not block. It changes the id's `channel` field, which
+        // the objects made from it (their `SharedCmId`) never read; `&mut
+        // self` excludes every other call that does.
+        if unsafe { ffi::rdma_migrate_id(self.as_ptr(), channel.raw.as_ptr()) } != 0 {
             return Err(Error::MigrateId(last_os_error()));
         }
-        inner.channel = Arc::clone(channel);
+        *self.inner.channel.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(channel);
         Ok(())
     }
 
@@ -402,10 +419,10 @@ impl CmId {
     /// Takes a waiting connect request on this listener without blocking;
     /// other events on the listener's channel are skipped.
     pub fn try_get_request(&self) -> Result<Option<ConnectRequest>> {
-        while let Some(e) = self.inner.channel.try_next()? {
+        while let Some(e) = self.channel().try_next()? {
             if e.kind == event::RDMA_CM_EVENT_CONNECT_REQUEST {
                 return Ok(Some(ConnectRequest {
-                    id: Self::adopt(e.id, &self.inner.channel)?,
+                    id: Self::adopt(e.id, &self.channel())?,
                     private_data: e.private_data,
                 }));
             }
@@ -429,6 +446,12 @@ impl CmId {
 
     pub(crate) fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
         self.inner.raw.as_ptr()
+    }
+
+    /// The address of the `rdma_cm_id`: what names it in the events of a
+    /// channel that many ids share ([`Event::id_addr`]).
+    pub(crate) fn addr(&self) -> usize {
+        self.as_ptr() as usize
     }
 
     /// A hold on the id for an object made from it.
@@ -482,11 +505,10 @@ impl CmId {
     /// Waits for the next connect request on this listener.
     pub fn get_request(&self, timeout: Duration) -> Result<ConnectRequest> {
         let e = self
-            .inner
-            .channel
+            .channel()
             .expect(event::RDMA_CM_EVENT_CONNECT_REQUEST, timeout)?;
         Ok(ConnectRequest {
-            id: Self::adopt(e.id, &self.inner.channel)?,
+            id: Self::adopt(e.id, &self.channel())?,
             private_data: e.private_data,
         })
     }
@@ -506,12 +528,10 @@ impl CmId {
         timeout: Duration,
     ) -> Result<()> {
         self.start_resolve_addr(source, addr, timeout)?;
-        self.inner
-            .channel
+        self.channel()
             .expect(event::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
         self.start_resolve_route(timeout)?;
-        self.inner
-            .channel
+        self.channel()
             .expect(event::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
         Ok(())
     }
@@ -611,7 +631,7 @@ impl CmId {
     /// Create the id's [`QueuePair`](super::QueuePair) first.
     pub fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         self.start_connect(private_data)?;
-        self.inner.channel.next_event(timeout)?.connect_reply()
+        self.channel().next_event(timeout)?.connect_reply()
     }
 
     /// Sends the connect request (`rdma_connect`) without waiting: the
@@ -655,8 +675,7 @@ impl CmId {
     /// [`QueuePair`](super::QueuePair) (and post receives) first.
     pub fn accept(&mut self, private_data: &[u8], timeout: Duration) -> Result<()> {
         self.start_accept(private_data)?;
-        self.inner
-            .channel
+        self.channel()
             .expect(event::RDMA_CM_EVENT_ESTABLISHED, timeout)?;
         Ok(())
     }
@@ -688,8 +707,7 @@ impl CmId {
 
     /// Waits for the peer's (or our own) disconnect to be reported.
     pub fn wait_disconnected(&self, timeout: Duration) -> Result<()> {
-        self.inner
-            .channel
+        self.channel()
             .expect(event::RDMA_CM_EVENT_DISCONNECTED, timeout)
             .map(drop)
     }

@@ -190,9 +190,6 @@ pub enum Error {
     /// `ibv_get_cq_event` failed.
     #[error("ibv_get_cq_event failed: {0}")]
     GetCqEvent(#[source] io::Error),
-    /// The operation needs the only handle to the object, and it is shared.
-    #[error("the object is shared: this needs its only handle")]
-    Shared,
     /// `ibv_get_async_event` failed.
     #[error("ibv_get_async_event failed: {0}")]
     GetAsyncEvent(#[source] io::Error),
