@@ -76,7 +76,7 @@
 //!   registered with it. A connection whose frames all fit a slot has no
 //!   remotely writable memory at all, and one whose region frames stopped
 //!   has none once the sender gives the region back
-//!   ([`RdmaTransport::release_idle_regions`]).
+//!   ([`RdmaTransport::release_idle_memory`]).
 //! - **Larger frames by rendezvous** (from
 //!   [`RdmaTransport::rendezvous_threshold`], off by default for now): the
 //!   sender registers the frame for that transfer only, readable by the
@@ -131,8 +131,9 @@
 //! sending (sized by the peer's ring) once this side sends a frame too long
 //! to go inline (256 bytes with its header); `region_len` for the region
 //! once the peer first sends a frame too large for a slot, and the peer's
-//! region size for staging once this side does, until the writing side
-//! found them unused for [`RdmaTransport::release_idle_regions`] (30 s).
+//! region size for staging once this side does. All but the ring until
+//! the sending side found them unused for
+//! [`RdmaTransport::release_idle_memory`] (30 s).
 //! Defaults: 64 × 8 KiB and
 //! 1 MiB, so 64 KiB per connection end whose calls go one at a time and
 //! inline, 512 KiB once many ran at once, 1.1 MiB once they needed slots,
@@ -298,7 +299,7 @@ pub struct RdmaTransport {
     rendezvous_threshold: Option<usize>,
     rendezvous_pool: u64,
     stream_keepalive: Option<Duration>,
-    release_idle_regions: Option<Duration>,
+    release_idle_memory: Option<Duration>,
     admission: AdmissionLimits,
     ack_timeout: Option<u8>,
     type_of_service: Option<u8>,
@@ -322,7 +323,7 @@ impl Default for RdmaTransport {
             rendezvous_threshold: None,
             rendezvous_pool: 64 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
-            release_idle_regions: Some(Duration::from_secs(30)),
+            release_idle_memory: Some(Duration::from_secs(30)),
             admission: AdmissionLimits {
                 max_connections: 4096,
                 max_handshakes: 64,
@@ -488,21 +489,27 @@ impl RdmaTransport {
         self
     }
 
-    /// The memory a connection's region-sized frames go through, its
-    /// staging (registered here, copied into and RDMA-written from) and
-    /// the peer's region (registered by the peer, written into), 1 MiB
-    /// each by default, is registered for the first frame that needs it
-    /// and let go once no frame used it for between `after` and twice
-    /// that (default 30 s; `None`: kept while the connection lives):
-    /// staging is deregistered, and the region given back
-    /// (`RegionReturned`, after the last WRITE into it; the peer
-    /// deregisters it). The next such frame registers both again (a round
-    /// trip, and a millisecond or so a MiB on each side). So a connection
-    /// that carried a tensor once and then only small calls, or nothing,
-    /// does not keep 2 MiB pinned. The setting is the writing side's: a
-    /// peer's setting decides when our region goes back.
-    pub fn release_idle_regions(mut self, after: Option<Duration>) -> RdmaTransport {
-        self.release_idle_regions = after;
+    /// Memory a connection registers for its larger frames is let go once
+    /// no frame used it for between `after` and twice that (default 30 s;
+    /// `None`: kept while the connection lives), and registered again by
+    /// the next frame that needs it:
+    /// - the memory region-sized frames go through, staging (registered
+    ///   here, copied into and RDMA-written from) and the peer's region
+    ///   (registered by the peer, written into), 1 MiB each by default:
+    ///   staging is deregistered, and the region given back
+    ///   (`RegionReturned`, after the last WRITE into it; the peer
+    ///   deregisters it). Registering both again takes a round trip, and
+    ///   a millisecond or so a MiB on each side. The setting is the
+    ///   writing side's: a peer's setting decides when our region goes
+    ///   back.
+    /// - the send slots (128 KiB by default, more if many frames were in
+    ///   flight at once), registered for the first SEND too long to go
+    ///   inline: deregistered once none is in flight.
+    ///
+    /// So a connection that carried a tensor once and then only small
+    /// calls, or nothing, keeps pinned only its receive ring's slots.
+    pub fn release_idle_memory(mut self, after: Option<Duration>) -> RdmaTransport {
+        self.release_idle_memory = after;
         self
     }
 

@@ -487,7 +487,7 @@ async fn regions_given_back_while_idle_are_asked_for_again() {
     const IDLE: Duration = Duration::from_millis(50);
     const REGIONS_AND_STAGINGS: u64 = 4 * 8192;
     let env = TestEnv::from_env();
-    let cfg = tiny().release_idle_regions(Some(IDLE));
+    let cfg = tiny().release_idle_memory(Some(IDLE));
     let (mut client, mut server) = pair(&env, &cfg).await;
     let registered = transport_rdma::verbs::registered_bytes;
     for round in 0..6u64 {
@@ -536,7 +536,7 @@ const WIRE_PORT: u16 = 7481;
 async fn frames_across_the_wire() {
     const IDLE: Duration = Duration::from_millis(100);
     let env = TestEnv::from_env();
-    let cfg = RdmaTransport::default().release_idle_regions(Some(IDLE));
+    let cfg = RdmaTransport::default().release_idle_memory(Some(IDLE));
     let mut sizes = vec![0, 1, 100];
     for limit in [8160, 512 << 10, 1 << 20] {
         sizes.extend(around(limit));

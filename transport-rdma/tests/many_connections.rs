@@ -253,7 +253,7 @@ async fn idle_regions_are_deregistered_and_registered_again_when_needed() {
         registered_bytes()
     );
     for release in [None, Some(IDLE)] {
-        let cfg = RdmaTransport::default().release_idle_regions(release);
+        let cfg = RdmaTransport::default().release_idle_memory(release);
         let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
         let addr = listener.local_addr().to_string();
         // Takes two pushes, answering each inline (the server never
@@ -306,6 +306,102 @@ async fn idle_regions_are_deregistered_and_registered_again_when_needed() {
             registered_bytes(),
             with_regions,
             "the second push registers staging and the region again (or keeps them)"
+        );
+        drop(client);
+        serving.await.expect("the server's end");
+        let closed = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+        assert!(
+            closed,
+            "{} bytes registered after the close",
+            registered_bytes()
+        );
+    }
+}
+
+/// A connection's send slots, registered for its first frame too long to
+/// go inline, are deregistered once no such frame was sent for a while
+/// and none is in flight, registered again by the next one, and kept while
+/// the connection lives when the setting is off: an idle connection pins
+/// its receive ring's slots only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn idle_send_slots_are_deregistered_and_registered_again_when_needed() {
+    const IDLE: Duration = Duration::from_millis(300);
+    // Fits a slot (8 KiB), too long to go inline (256 B).
+    const PUSH: usize = 4000;
+    let env = TestEnv::from_env();
+    // Earlier tests' connections may still be closing on the teardown
+    // thread.
+    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+    assert!(
+        quiet,
+        "{} bytes still registered by earlier tests",
+        registered_bytes()
+    );
+    for release in [None, Some(IDLE)] {
+        let cfg = RdmaTransport::default().release_idle_memory(release);
+        let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
+        let addr = listener.local_addr().to_string();
+        // Takes two pushes, answering each inline: only the client's send
+        // slots are in play.
+        let serving = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accepts");
+            let mut pushed = vec![0; PUSH];
+            for _ in 0..2 {
+                stream.read_exact(&mut pushed).await.expect("reads a push");
+                stream.write_all(b"done").await.expect("answers");
+            }
+            let _ = stream.read(&mut [0; 1]).await;
+        });
+        let mut client = cfg.connect_stream(&addr).await.expect("connects");
+        let push = async |client: &mut RdmaStream| {
+            client.write_all(&[7; PUSH]).await.expect("pushes");
+            let mut answer = [0; 4];
+            tokio::time::timeout(Duration::from_secs(30), client.read_exact(&mut answer))
+                .await
+                .expect("the answer hung")
+                .expect("reads the answer");
+            assert_eq!(&answer, b"done");
+        };
+        let rings_only = registered_bytes();
+        push(&mut client).await;
+        let with_slots = registered_bytes();
+        assert!(
+            with_slots > rings_only,
+            "the push registered no send slots ({with_slots} bytes registered before and after)"
+        );
+        println!(
+            "release {release:?}: both ends' rings {} KiB, the client's send slots {} KiB",
+            rings_only >> 10,
+            (with_slots - rings_only) >> 10
+        );
+        tokio::time::sleep(4 * IDLE).await;
+        match release {
+            None => assert_eq!(
+                registered_bytes(),
+                with_slots,
+                "send slots deregistered with the setting off"
+            ),
+            Some(after) => {
+                let released = support::eventually(Duration::from_secs(10), || {
+                    registered_bytes() == rings_only
+                })
+                .await;
+                assert!(
+                    released,
+                    "{} bytes registered {:?} after the push, {with_slots} right after it, \
+                     {rings_only} before it: expected the client's send slots deregistered \
+                     after {after:?}",
+                    registered_bytes(),
+                    4 * IDLE + Duration::from_secs(10),
+                );
+            }
+        }
+        push(&mut client).await;
+        assert_eq!(
+            registered_bytes(),
+            with_slots,
+            "the second push registers the send slots again (or keeps them)"
         );
         drop(client);
         serving.await.expect("the server's end");
@@ -383,7 +479,7 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
             .ring(SCALE_RING_SLOTS, SCALE_SLOT_SIZE)
             .region_len(SCALE_REGION_LEN)
             .max_peer(SCALE_RING_SLOTS, SCALE_SLOT_SIZE, SCALE_REGION_LEN)
-            .release_idle_regions(None),
+            .release_idle_memory(None),
     ));
     // Each connection holds a few descriptors per end (event channels,
     // completion channels): make room for 8 per connection.

@@ -93,7 +93,7 @@ pub(crate) fn start_halves(
             cq_fd,
             id,
             keepalive,
-            release_idle_regions: cfg.release_idle_regions,
+            release_idle_memory: cfg.release_idle_memory,
             _device_watch: device_watch,
         },
     ));
@@ -114,11 +114,13 @@ struct Driver {
     /// watcher, which sets [`Shared::ended_by_cm`].
     id: CmId,
     keepalive: Option<Duration>,
-    /// Staging and the peer's region unused this long are let go
-    /// ([`State::release_idle_regions`]).
+    /// Staging, the peer's region and registered send slots unused this
+    /// long are let go ([`State::release_idle_regions`],
+    /// [`State::release_idle_send_slots`]).
     ///
     /// [`State::release_idle_regions`]: super::state::State::release_idle_regions
-    release_idle_regions: Option<Duration>,
+    /// [`State::release_idle_send_slots`]: super::state::State::release_idle_send_slots
+    release_idle_memory: Option<Duration>,
     /// Keeps the device's async-event watcher running while the driver does.
     _device_watch: device_events::WatchLease,
 }
@@ -171,9 +173,10 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
     let mut keepalive = d.keepalive.map(ticks_every);
-    // Ticks while this side holds staging or the peer's region (a
-    // connection that never sends a region frame has no timer for it).
-    let mut region_checks: Option<tokio::time::Interval> = None;
+    // Ticks while this side holds staging, the peer's region or registered
+    // send slots (a connection whose frames all go inline has no timer
+    // for it).
+    let mut idle_checks: Option<tokio::time::Interval> = None;
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.
     let mut probe_unanswered = false;
@@ -210,10 +213,10 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
             }
-            if let Some(period) = d.release_idle_regions {
-                let holds = st.holds_regions();
-                if holds != region_checks.is_some() {
-                    region_checks = holds.then(|| ticks_every(period));
+            if let Some(period) = d.release_idle_memory {
+                let holds = st.holds_idle_memory();
+                if holds != idle_checks.is_some() {
+                    idle_checks = holds.then(|| ticks_every(period));
                 }
             }
             if st.handles == 0 {
@@ -254,13 +257,17 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
             () = shared.wake_task.notified() => {}
             () = linger => {}
-            _ = async { region_checks.as_mut().expect("checked").tick().await }, if region_checks.is_some() => {
+            _ = async { idle_checks.as_mut().expect("checked").tick().await }, if idle_checks.is_some() => {
                 let mut st = shared.lock();
                 let staging = st.release_idle_regions();
+                let send_slots = st.release_idle_send_slots(&shared.mem);
                 st.flush(&shared.mem);
                 drop(st);
                 if staging.is_some() {
                     tracing::debug!("{}: no large frame for a while: staging and the peer's region let go", shared.peer);
+                }
+                if send_slots > 0 {
+                    tracing::debug!("{}: no frame too long to go inline for a while: {send_slots} bytes of send slots deregistered", shared.peer);
                 }
                 // Deregistered here, without the lock.
                 drop(staging);

@@ -32,7 +32,9 @@
 //!   registered with the first SEND from it too long to go inline (the
 //!   device copies inline sends out of the work request): a connection
 //!   whose frames all go inline pins none, one of a few frames at a time
-//!   128 KiB by default;
+//!   128 KiB by default; all are deregistered by the driver once no such
+//!   SEND was posted for a while and none is in flight
+//!   (`State::release_idle_send_slots`);
 //! - `staging`: the source of RDMA WRITEs, as large as the peer's region and
 //!   at the same offsets; region frames are encoded into it. Registered
 //!   with the first frame that needs it: a connection that only carries

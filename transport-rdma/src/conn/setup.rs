@@ -448,6 +448,8 @@ impl Established {
             completed: CompletionBatch::new(),
             staging: None,
             staging_used: false,
+            send_slots_registered: false,
+            send_slots_used: false,
             region: None,
         };
         let shared = Arc::new(Shared {

@@ -4,7 +4,8 @@
 //! registered when the protocol grows the ring,
 //! [`Transmit::RegisterRing`](crate::proto::Transmit::RegisterRing)) and
 //! the send slots (every part allocated at set-up, each registered with
-//! the first SEND from it too long to go inline).
+//! the first SEND from it too long to go inline, all deregistered once
+//! idle).
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -87,6 +88,24 @@ impl SlotMemory {
         let mr = MemoryRegion::new(pd, count as usize * self.slot_size, Access::LOCAL_WRITE)?;
         self.add(count, mr);
         Ok(())
+    }
+
+    /// Deregisters every part (their bytes stay; `MemoryRegion::register`
+    /// registers one again); returns the bytes let go. Stops at the first
+    /// part the device refuses to deregister (it stays registered).
+    ///
+    /// # Safety
+    /// As [`MemoryRegion::deregister`], for every part.
+    pub(super) unsafe fn deregister(&self) -> Result<usize, crate::verbs::Error> {
+        let mut released = 0;
+        for part in self.parts.iter().map_while(OnceLock::get) {
+            if part.mr.is_registered() {
+                // SAFETY: as the caller guarantees.
+                unsafe { part.mr.deregister()? };
+                released += part.mr.len();
+            }
+        }
+        Ok(released)
     }
 
     /// The slots that exist: `0..end`.

@@ -66,14 +66,18 @@ impl Deref for Staging {
 /// credits are 8, one of them kept for control).
 pub(super) const FIRST_DATA_SLOTS: u32 = 8;
 
-// SAFETY: `ring` and `send` are only accessed through their `unsafe`
-// `slice`/`slice_mut` or raw copies (the `OnceLock`s publish each part of
-// the slots once, registered), and
-// each byte range is owned by exactly one party at a time, as the protocol
-// state (under the connection's mutex) records: the device while posted,
-// the state while being encoded or handled, or one `SlotGuard` while the
-// application holds a received frame. So sharing `&Buffers` between
-// threads races on nothing.
+// SAFETY: the bytes of `ring` and `send` are only accessed through their
+// `unsafe` `slice`/`slice_mut` or raw copies, and each byte range is owned
+// by exactly one party at a time, as the protocol state (under the
+// connection's mutex) records: the device while posted, the state while
+// being encoded or handled, or one `SlotGuard` while the application holds
+// a received frame. Their parts are published once each (the `OnceLock`s).
+// A ring part is registered before it is published and its registration
+// only read after; the send parts' registrations are read (for SGEs) and
+// changed (registered by a SEND too long to go inline, deregistered once
+// idle) only under the connection's mutex (`State::post`,
+// `State::release_idle_send_slots`). So sharing `&Buffers` between threads
+// races on nothing.
 unsafe impl Sync for Buffers {}
 
 impl Buffers {
@@ -202,6 +206,16 @@ pub(super) struct State {
     ///
     /// [`release_idle_regions`]: Self::release_idle_regions
     pub(super) staging_used: bool,
+    /// A part of the send slots is registered (a SEND too long to go
+    /// inline was posted since the last [`release_idle_send_slots`]).
+    ///
+    /// [`release_idle_send_slots`]: Self::release_idle_send_slots
+    pub(super) send_slots_registered: bool,
+    /// A SEND too long to go inline was posted since the last
+    /// [`release_idle_send_slots`].
+    ///
+    /// [`release_idle_send_slots`]: Self::release_idle_send_slots
+    pub(super) send_slots_used: bool,
 }
 
 /// A rendezvous destination: registered memory for local write only (the
@@ -405,10 +419,10 @@ impl State {
         }
     }
 
-    /// Whether this side holds memory for its large frames to the peer:
-    /// staging, or the peer's region granted.
-    pub(super) fn holds_regions(&self) -> bool {
-        self.staging.is_some() || self.proto.peer_region().is_some()
+    /// Whether this side holds memory it lets go once idle: staging, the
+    /// peer's region granted, registered send slots.
+    pub(super) fn holds_idle_memory(&self) -> bool {
+        self.staging.is_some() || self.proto.peer_region().is_some() || self.send_slots_registered
     }
 
     /// If no frame used staging since the last call and no chunk holds
@@ -424,6 +438,39 @@ impl State {
         }
         self.proto.return_idle_region();
         self.staging.take()
+    }
+
+    /// If no SEND used the send slots' registered memory since the last
+    /// call and none is posted or queued: deregisters the send slots (the
+    /// bytes stay; the next SEND too long to go inline registers its part
+    /// again). Returns the bytes let go.
+    pub(super) fn release_idle_send_slots(&mut self, mem: &Buffers) -> usize {
+        let used = std::mem::take(&mut self.send_slots_used);
+        // `in_flight` counts every SEND posted and not completed (all are
+        // signaled), from the moment the protocol hands it out: also those
+        // queued in the QP or in a poster's batch outside the lock.
+        if used
+            || !self.send_slots_registered
+            || self.proto.in_flight() > 0
+            || self.posting
+            || self.qp.has_queued()
+        {
+            return 0;
+        }
+        self.send_slots_registered = false;
+        // SAFETY: no work request posted or queued names the send slots'
+        // keys (just checked), and their registration is only read or
+        // changed under the connection's mutex, which `&mut self` holds
+        // (`post` registers them and builds SGEs from them there).
+        match unsafe { mem.send.deregister() } {
+            Ok(released) => released,
+            Err(e) => {
+                // Still registered (and counted): tried again next time.
+                self.send_slots_registered = true;
+                tracing::warn!("deregistering idle send slots: {e}");
+                0
+            }
+        }
     }
 
     /// The pool gets a dropped frame's charge back; its destination is
@@ -767,6 +814,8 @@ impl State {
                     // their part too long to go inline: a connection of
                     // small frames pins none.
                     mr.register()?;
+                    self.send_slots_registered = true;
+                    self.send_slots_used = true;
                 }
                 // SAFETY: the slot stays untouched until its send completion
                 // frees it; the memory outlives the QP.

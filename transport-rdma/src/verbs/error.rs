@@ -74,6 +74,14 @@ pub enum Error {
     /// `ibv_create_cq` failed.
     #[error("ibv_create_cq failed: {0}")]
     CreateCq(#[source] io::Error),
+    /// `ibv_dereg_mr` failed (the region stays registered).
+    #[error("ibv_dereg_mr of {len} bytes failed: {source}")]
+    DeregMr {
+        /// The region's length.
+        len: usize,
+        /// What the call reported.
+        source: io::Error,
+    },
     /// `ibv_reg_mr` failed (often: `ulimit -l` too small).
     #[error("ibv_reg_mr of {len} bytes failed: {source}")]
     RegMr {

@@ -1,9 +1,10 @@
 //! Registered memory.
 
+use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use rdma_sys as ffi;
@@ -101,9 +102,16 @@ impl RemoteRegion {
 /// A buffer made [`unregistered`](Self::unregistered) is registered by
 /// [`register`](Self::register) when first needed: until then it can be
 /// the source of inline sends only (the device copies those out of the
-/// work request; their lkey is not used), and pins nothing.
+/// work request; their lkey is not used), and pins nothing. The transport
+/// may deregister it again while no work request names it (its send slots
+/// once idle) and keep its bytes.
 pub struct MemoryRegion {
-    registration: OnceLock<Registration>,
+    /// Changed only through `&self` by [`register`](Self::register) and the
+    /// `unsafe` [`deregister`](Self::deregister): the type is not `Sync`,
+    /// and whoever shares it across threads anyway (the transport's
+    /// connection memory) changes and reads a registration that can change
+    /// under one lock.
+    registration: UnsafeCell<Option<Registration>>,
     buf: NonNull<u8>,
     len: usize,
     access: Access,
@@ -120,8 +128,8 @@ struct Registration {
 }
 
 // SAFETY: the MR handle is only passed to libibverbs, whose calls are
-// thread-safe; it is set once (the `OnceLock`) and freed by the owning
-// `MemoryRegion`'s Drop.
+// thread-safe; it is freed once, by the owning `MemoryRegion`
+// (`deregister` or Drop).
 unsafe impl Send for Registration {}
 // SAFETY: as for Send.
 unsafe impl Sync for Registration {}
@@ -151,7 +159,7 @@ impl MemoryRegion {
         let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         Self {
-            registration: OnceLock::new(),
+            registration: UnsafeCell::new(None),
             buf,
             len,
             access,
@@ -163,7 +171,7 @@ impl MemoryRegion {
     /// Registers the buffer (`ibv_reg_mr`), unless it is already. On an
     /// error it stays unregistered; a later call tries again.
     pub fn register(&self) -> Result<()> {
-        if self.registration.get().is_some() {
+        if self.is_registered() {
             return Ok(());
         }
         let pd = ProtectionDomain {
@@ -172,25 +180,55 @@ impl MemoryRegion {
         // SAFETY: `buf..buf+len` is memory this value owns and frees only
         // after deregistering it (Drop).
         let (raw, iova) = unsafe { register(&pd, self.buf.as_ptr(), self.len, self.access)? };
-        let mut registered = Some(Registration { raw, iova });
-        self.registration.get_or_init(|| {
-            // Counted from here, so that `Drop` (which subtracts) pairs with it.
-            pinned(self.len);
-            registered.take().expect("initialised once")
-        });
-        if let Some(lost) = registered {
-            // Another thread registered it meanwhile (a `&self` shared
-            // across threads by a caller's own synchronisation): ours is
-            // not used by anything.
-            // SAFETY: `lost.raw` is the MR just made, deregistered once.
-            unsafe { ffi::ibv_dereg_mr(lost.raw.as_ptr()) };
-        }
+        // Counted from here, so that `deregister` and `Drop` (which
+        // subtract) pair with it.
+        pinned(self.len);
+        // SAFETY: no reference into the cell lives across this call: the
+        // methods that read it copy what they need, and the value is not
+        // `Sync` (see the field's docs for who shares it anyway).
+        unsafe { *self.registration.get() = Some(Registration { raw, iova }) };
         Ok(())
+    }
+
+    /// Deregisters the buffer (`ibv_dereg_mr`) and keeps its bytes: it
+    /// pins nothing until [`register`](Self::register)ed again. If the
+    /// device refuses, it stays registered.
+    ///
+    /// # Safety
+    /// No work request posted or queued names its keys (they become
+    /// invalid), and no other thread reads or changes its registration
+    /// meanwhile ([`register`](Self::register), [`lkey`](Self::lkey),
+    /// [`remote`](Self::remote), an SGE).
+    pub(crate) unsafe fn deregister(&self) -> Result<()> {
+        let Some(registration) = self.registration() else {
+            return Ok(());
+        };
+        // SAFETY: `raw` is the live MR this value owns; as the caller
+        // guarantees, nothing uses its keys any more.
+        let ret = unsafe { ffi::ibv_dereg_mr(registration.raw.as_ptr()) };
+        if ret != 0 {
+            return Err(Error::DeregMr {
+                len: self.len,
+                source: super::errno_error(ret),
+            });
+        }
+        REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
+        // SAFETY: as the caller guarantees, nothing else reads the cell;
+        // `registration` (a copy's source) is not used after this.
+        unsafe { *self.registration.get() = None };
+        Ok(())
+    }
+
+    /// The registration, if any.
+    fn registration(&self) -> Option<&Registration> {
+        // SAFETY: the cell changes only in `register` and `deregister`,
+        // never while a reference from here lives (see the field's docs).
+        unsafe { (*self.registration.get()).as_ref() }
     }
 
     /// Whether the buffer is registered.
     pub fn is_registered(&self) -> bool {
-        self.registration.get().is_some()
+        self.registration().is_some()
     }
 
     /// The allocation of a `len`-byte buffer: whole pages.
@@ -213,10 +251,7 @@ impl MemoryRegion {
     /// The local key, for scatter/gather entries. Panics if the buffer is
     /// not registered.
     pub fn lkey(&self) -> u32 {
-        let registration = self
-            .registration
-            .get()
-            .expect("lkey of unregistered memory");
+        let registration = self.registration().expect("lkey of unregistered memory");
         // SAFETY: `raw` is the live MR this value owns.
         unsafe { registration.raw.as_ref().lkey }
     }
@@ -225,8 +260,7 @@ impl MemoryRegion {
     /// buffer is not registered.
     pub fn remote(&self) -> RemoteRegion {
         let registration = self
-            .registration
-            .get()
+            .registration()
             .expect("remote access to unregistered memory");
         // SAFETY: `raw` is the live MR this value owns.
         let rkey = unsafe { registration.raw.as_ref().rkey };
@@ -248,7 +282,7 @@ impl MemoryRegion {
             end: range.end as u64,
             len: u32::MAX.into(),
         })?;
-        let lkey = match self.registration.get() {
+        let lkey = match self.registration() {
             // SAFETY: `raw` is the live MR this value owns.
             Some(registration) => unsafe { registration.raw.as_ref().lkey },
             None if length <= inline_max => 0,
@@ -373,7 +407,7 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        if let Some(registration) = self.registration.get() {
+        if let Some(registration) = self.registration() {
             // SAFETY: `raw` is the live MR this value owns, deregistered
             // once (here). Posting from or into it is `unsafe` and requires
             // the MR to outlive the operation (its completion, or the QP's
