@@ -318,17 +318,20 @@ async fn idle_regions_are_deregistered_and_registered_again_when_needed() {
     }
 }
 
-/// A connection's send slots, registered for its first frame too long to
-/// go inline, are deregistered once no such frame was sent for a while
-/// and none is in flight, registered again by the next one, and kept while
-/// the connection lives when the setting is off: an idle connection pins
-/// its receive ring's slots only.
+/// An idle connection keeps only its receive rings registered: its send
+/// slots (registered for the first frame too long to go inline), staging
+/// and the peer's region (for the first too large for a slot) are let go
+/// once no such frame was sent for a while and none is in flight, and
+/// registered again by the next ones; with the setting off, all are kept
+/// while the connection lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn idle_send_slots_are_deregistered_and_registered_again_when_needed() {
+async fn an_idle_connection_keeps_only_its_rings_registered() {
     const IDLE: Duration = Duration::from_millis(300);
-    // Fits a slot (8 KiB), too long to go inline (256 B).
-    const PUSH: usize = 4000;
+    // Fits a slot (8 KiB), too long to go inline (256 B): each way.
+    const SLOT_FRAME: usize = 4000;
+    // Too large for a slot: the client's staging, the server's region.
+    const REGION_FRAME: usize = 200 << 10;
     let env = TestEnv::from_env();
     // Earlier tests' connections may still be closing on the teardown
     // thread.
@@ -342,45 +345,50 @@ async fn idle_send_slots_are_deregistered_and_registered_again_when_needed() {
         let cfg = RdmaTransport::default().release_idle_memory(release);
         let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
         let addr = listener.local_addr().to_string();
-        // Takes two pushes, answering each inline: only the client's send
-        // slots are in play.
+        // Takes two rounds, answering each with a frame that fits a slot.
         let serving = tokio::spawn(async move {
             let (mut stream, _) = listener.accept().await.expect("accepts");
-            let mut pushed = vec![0; PUSH];
+            let mut pushed = vec![0; SLOT_FRAME + REGION_FRAME];
             for _ in 0..2 {
                 stream.read_exact(&mut pushed).await.expect("reads a push");
-                stream.write_all(b"done").await.expect("answers");
+                stream.write_all(&[9; SLOT_FRAME]).await.expect("answers");
             }
             let _ = stream.read(&mut [0; 1]).await;
         });
         let mut client = cfg.connect_stream(&addr).await.expect("connects");
-        let push = async |client: &mut RdmaStream| {
-            client.write_all(&[7; PUSH]).await.expect("pushes");
-            let mut answer = [0; 4];
+        let round = async |client: &mut RdmaStream| {
+            client.write_all(&[7; SLOT_FRAME]).await.expect("pushes");
+            client
+                .write_all(&vec![8; REGION_FRAME])
+                .await
+                .expect("pushes");
+            let mut answer = vec![0; SLOT_FRAME];
             tokio::time::timeout(Duration::from_secs(30), client.read_exact(&mut answer))
                 .await
                 .expect("the answer hung")
                 .expect("reads the answer");
-            assert_eq!(&answer, b"done");
+            assert!(answer.iter().all(|&b| b == 9), "the answer's bytes");
         };
         let rings_only = registered_bytes();
-        push(&mut client).await;
-        let with_slots = registered_bytes();
-        assert!(
-            with_slots > rings_only,
-            "the push registered no send slots ({with_slots} bytes registered before and after)"
-        );
+        round(&mut client).await;
+        let busy = registered_bytes();
         println!(
-            "release {release:?}: both ends' rings {} KiB, the client's send slots {} KiB",
+            "release {release:?}: {} KiB registered for both ends' rings, {} KiB more once \
+             frames that fit a slot went each way and a region frame one way",
             rings_only >> 10,
-            (with_slots - rings_only) >> 10
+            (busy - rings_only) >> 10
+        );
+        assert!(
+            busy >= rings_only + (2 << 20),
+            "{busy} bytes registered after a round, {rings_only} before it: expected at least \
+             the client's staging and the server's region (1 MiB each) more"
         );
         tokio::time::sleep(4 * IDLE).await;
         match release {
             None => assert_eq!(
                 registered_bytes(),
-                with_slots,
-                "send slots deregistered with the setting off"
+                busy,
+                "memory deregistered with the setting off"
             ),
             Some(after) => {
                 let released = support::eventually(Duration::from_secs(10), || {
@@ -389,19 +397,19 @@ async fn idle_send_slots_are_deregistered_and_registered_again_when_needed() {
                 .await;
                 assert!(
                     released,
-                    "{} bytes registered {:?} after the push, {with_slots} right after it, \
-                     {rings_only} before it: expected the client's send slots deregistered \
+                    "{} bytes registered {:?} after a round, {busy} right after it, \
+                     {rings_only} before it: expected all but the rings deregistered \
                      after {after:?}",
                     registered_bytes(),
                     4 * IDLE + Duration::from_secs(10),
                 );
             }
         }
-        push(&mut client).await;
+        round(&mut client).await;
         assert_eq!(
             registered_bytes(),
-            with_slots,
-            "the second push registers the send slots again (or keeps them)"
+            busy,
+            "the second round registers the same again (or keeps it)"
         );
         drop(client);
         serving.await.expect("the server's end");
