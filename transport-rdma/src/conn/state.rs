@@ -48,9 +48,10 @@ pub(super) struct Staging(MemoryRegion);
 // SAFETY: staging's bytes are written only with the connection's mutex
 // held (a frame encoded in place, a chunk copied in before its WRITE is
 // queued), each range by the one chunk the protocol allocated it to, and
-// read only by the device; sharing the `Arc` between threads only keeps
-// the registration alive (let go only once no chunk holds any of it:
-// `State::release_idle_regions`).
+// read only by the device; its registration is made before it is shared
+// and never changed (staging is let go whole, only once no chunk holds
+// any of it: `State::release_idle_regions`), so sharing the `Arc` between
+// threads only reads it and keeps it alive.
 unsafe impl Sync for Staging {}
 
 impl Deref for Staging {
