@@ -524,6 +524,68 @@ async fn regions_given_back_while_idle_are_asked_for_again() {
     }
 }
 
+/// Bursts of frames that fit a slot but are too long to go inline, with a
+/// release period of 1 ms: the client's send slots are let go in every
+/// pause (and within a burst whenever the sender falls 1–2 ms behind) and
+/// registered again by the next frame, while the driver's checks keep
+/// coming with SENDs in flight. A release that deregistered memory a
+/// posted SEND names would fail that SEND (a local protection error) and
+/// the connection with it; every frame must arrive intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn send_slots_let_go_between_bursts_never_under_a_send_in_flight() {
+    const BURSTS: u64 = 40;
+    const FRAMES: u64 = 32;
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default().release_idle_memory(Some(Duration::from_millis(1)));
+    let (client, mut server) = pair(&env, &cfg).await;
+    let registered = transport_rdma::verbs::registered_bytes;
+    for burst in 0..BURSTS {
+        let bodies: Vec<(u64, Bytes)> = (0..FRAMES)
+            .map(|i| {
+                let id = burst * FRAMES + i;
+                (id, payload(id as usize, 4000 + i as usize))
+            })
+            .collect();
+        // What is registered right after the last frame was posted: its
+        // send slot's part, at least (a release needs a whole period
+        // with no such frame).
+        let sending = async {
+            for (id, body) in &bodies {
+                send(&client.sink, *id, body)
+                    .await
+                    .unwrap_or_else(|e| panic!("burst {burst}: frame {id}: {e}"));
+            }
+            registered()
+        };
+        let receiving = async {
+            for (id, body) in &bodies {
+                let frame = recv(&mut server)
+                    .await
+                    .unwrap_or_else(|e| panic!("burst {burst}: frame {id}: {e}"))
+                    .expect("a frame");
+                check(&frame, *id, body);
+            }
+        };
+        let (busy, ()) = tokio::join!(sending, receiving);
+        // The first burst grows the server's ring (kept), maybe after the
+        // last frame was posted; from the second on only the client's
+        // send slots come and go.
+        if burst == 0 {
+            continue;
+        }
+        let released =
+            rpc_test_support::eventually(Duration::from_secs(5), || registered() < busy).await;
+        assert!(
+            released,
+            "burst {burst}: {busy} bytes registered after its last frame was posted, {} 5 s \
+             later: expected the client's send slots let go\n{}",
+            registered(),
+            transport_rdma::debug_dump()
+        );
+    }
+}
+
 /// Port of `frames_across_the_wire`'s server in a two-host run.
 const WIRE_PORT: u16 = 7481;
 
