@@ -17,8 +17,9 @@
 //! integers: their f32 sums are exact). Tensors the shards held before the
 //! run are read first and counted in. Prints the push and pull GB/s
 //! (payload bytes moved over wall time; each worker's gradients for a round
-//! are made before the round starts, and pulled tensors are checked after
-//! it ends) and exits 1 on any mismatch or failed call.
+//! are made before the round starts, and pulled tensors are checked once
+//! every worker has pulled, so no worker's check runs beside another's
+//! pulls) and exits 1 on any mismatch or failed call.
 //!
 //! `--warmup-rounds N` runs (and checks) N more rounds first, left out of
 //! the GB/s. `--lines` also prints one machine-readable line per measured
@@ -221,8 +222,8 @@ impl Worker {
         Ok(tensors)
     }
 
-    /// Every round: push (between barriers), pull, then check the pulls
-    /// against `expected` (which each round adds every worker's gradients to).
+    /// Every round: push (between barriers), pull (up to a barrier), then
+    /// check the pulls against `expected` (which each round adds every worker's gradients to).
     async fn run(
         self,
         args: Arc<Args>,
@@ -246,8 +247,14 @@ impl Worker {
             barrier.wait().await;
             pushed?;
             let pull_started = Instant::now();
-            let pulled = self.pull_all(&args).await?;
+            let pulled = self.pull_all(&args).await;
             let pull_ended = Instant::now();
+            // Checked once every worker has pulled: a worker that checks
+            // (hundreds of MiB of f32s at the largest sizes) while others
+            // still pull would take their CPU and count in their phase.
+            // Waited on even after a failure, so the other workers do not hang.
+            barrier.wait().await;
+            let pulled = pulled?;
             spans.push(((push_started, push_ended), (pull_started, pull_ended)));
             let sums = round_sums(args.workers);
             for (k, pushed_sum) in pushed_sums.iter_mut().enumerate() {
