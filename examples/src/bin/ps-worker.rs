@@ -223,7 +223,8 @@ impl Worker {
     }
 
     /// Every round: push (between barriers), pull (up to a barrier), then
-    /// check the pulls against `expected` (which each round adds every worker's gradients to).
+    /// check the pulls against `expected` (which each round adds every
+    /// worker's gradients to).
     async fn run(
         self,
         args: Arc<Args>,
