@@ -106,7 +106,8 @@ pub trait Listener: Send + 'static {
 pub struct Connection {
     /// Sends frames; shared by every task that sends on this connection.
     pub sink: Arc<dyn FrameSink>,
-    /// Receives frames; owned by the one task that reads this connection.
+    /// Receives frames: the connection's reader task polls it, and a
+    /// client's caller waiting alone reads its own answer with it.
     pub source: Box<dyn FrameSource>,
     /// The peer, for logs and errors (`tcp://10.0.0.5:7000`).
     pub peer: String,
@@ -161,10 +162,10 @@ pub trait FrameSource: Send + 'static {
     /// The next whole frame; `Ok(None)` when the peer closed the connection in order.
     ///
     /// Several tasks may poll one source in turn (a client's callers read
-    /// their own answers while its reader task waits). A poll that returns
-    /// a frame must not drop the waker another task left with an earlier
-    /// `Pending`: that task is still the one to wake for what arrives
-    /// next, or for frames this poll saw and did not return.
+    /// their own answers while its reader task waits). As for any future,
+    /// the waker to wake for what arrives next is that of the latest poll,
+    /// whatever the poll returned: the one reading knows it replaced the
+    /// one waiting, and hands the waiting back by polling with its waker.
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>>;
 }
 
