@@ -155,6 +155,18 @@ pub trait FrameSink: Send + Sync + 'static {
     /// the peer sees end-of-stream. Later sends, and sends waiting for room,
     /// fail with [`TransportError::Closed`].
     fn close(&self);
+
+    /// After [`close`](Self::close): `Ready` once every frame accepted is
+    /// out and the peer was told the end (or the connection failed and
+    /// nothing more can go). A server's graceful shutdown waits for this
+    /// before `serve` returns, so that a process that exits then has lost
+    /// no answer: a transport that sends from a task of its own must say
+    /// when that task is done. The default, `Ready` at once, is right for a
+    /// transport whose accepted frames are already with the peer or the
+    /// kernel.
+    fn poll_closed(&self, _cx: &mut Context<'_>) -> Poll<()> {
+        Poll::Ready(())
+    }
 }
 
 /// The receiving half of a connection.

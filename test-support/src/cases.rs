@@ -786,6 +786,45 @@ pub async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String, _prof
     assert_eq!(status.code(), Code::Unavailable, "{status}");
 }
 
+/// A server whose runtime ends as soon as `serve_with_shutdown` returns
+/// (a `main` that returns after serving) has sent the answers of the
+/// calls it let finish: serving waits until each connection's frames are
+/// out, not only handed to the transport's writer.
+pub async fn a_server_whose_runtime_ends_with_serve_sent_every_answer(
+    listen: String,
+    _profile: &Profile,
+) {
+    const CALLS: usize = 4;
+    let server = TestServer::start_on_own_runtime(&listen, |b| b).await;
+    let client = client_for(&server).await;
+    let in_flight: Vec<_> = (0..CALLS)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(300)))
+                    .await
+            })
+        })
+        .collect();
+    let probes = std::sync::Arc::clone(&server.probes);
+    assert!(
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == CALLS)
+            .await,
+        "the calls did not all reach the server"
+    );
+    server.stop().await; // its runtime is gone once this returns
+    for (i, call) in in_flight.into_iter().enumerate() {
+        let reply = call.await.expect("the call's task");
+        let reply = reply.unwrap_or_else(|s| panic!("call {i}: {s}"));
+        assert_eq!(reply.into_inner(), "slept", "call {i}");
+    }
+}
+
 pub async fn empty_and_large_messages_arrive_intact(listen: String, profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
@@ -1102,6 +1141,7 @@ macro_rules! for_each_case {
             slow_handler_holds_back_a_streaming_client,
             killed_server_fails_pending_calls_and_the_channel_reconnects,
             graceful_shutdown_lets_calls_in_flight_finish,
+            a_server_whose_runtime_ends_with_serve_sent_every_answer,
             empty_and_large_messages_arrive_intact,
             keepalive_pings_do_not_disturb_a_slow_call,
             dropping_a_response_stream_stops_the_server_stream,

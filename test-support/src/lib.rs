@@ -274,6 +274,49 @@ impl TestServer {
         }
     }
 
+    /// [`start`](Self::start), but served from a current-thread runtime
+    /// in a thread of its own, which ends, and drops the runtime with every
+    /// task still on it, as soon as `serve_with_shutdown` returns: as a
+    /// `main` that returns after serving does. ([`kill`](Self::kill) does
+    /// not stop it.)
+    pub async fn start_on_own_runtime(
+        address: &str,
+        configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+    ) -> TestServer {
+        let service = TestService::default();
+        let probes = Arc::clone(&service.probes);
+        let builder = configure(
+            rpc_core::Server::builder()
+                .inline_handlers(INLINE_HANDLERS.load(Ordering::Relaxed))
+                .add_service(service),
+        );
+        let address = address.to_string();
+        let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::task::spawn_blocking(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the test server");
+            runtime.block_on(async move {
+                let server = builder.bind(&address).await.expect("test server binds");
+                let _ = bound_tx.send(server.local_addr().to_string());
+                server
+                    .serve_with_shutdown(async {
+                        let _ = rx.await;
+                    })
+                    .await
+            })
+        });
+        let address = bound_rx.await.expect("the test server's thread bound it");
+        TestServer {
+            address,
+            probes,
+            shutdown: Some(tx),
+            task,
+        }
+    }
+
     /// Graceful shutdown; waits until the server has drained.
     pub async fn stop(mut self) {
         let _ = self.shutdown.take().unwrap().send(());

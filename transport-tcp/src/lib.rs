@@ -236,6 +236,8 @@ impl TcpTransport {
                 closed: false,
                 failed: None,
                 waiters: Vec::new(),
+                writer_done: false,
+                close_waiters: Vec::new(),
             }),
             socket: write,
             wake_writer: Notify::new(),
@@ -562,6 +564,11 @@ struct SinkState {
     failed: Option<(io::ErrorKind, String)>,
     /// Senders waiting for room.
     waiters: Vec<Waker>,
+    /// The writer task ended: after a close, everything is out and the
+    /// socket shut down; or a write failed (or its runtime went away).
+    writer_done: bool,
+    /// Waiting for the writer task to end ([`TcpSink::poll_closed`]).
+    close_waiters: Vec<Waker>,
 }
 
 impl SinkState {
@@ -782,6 +789,17 @@ impl<W: WriteHalf> FrameSink for TcpSink<W> {
             Writer::Idle | Writer::Task => state.hand_to_task(&self.shared.wake_writer),
         }
     }
+
+    fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut state = self.shared.lock();
+        if state.writer_done {
+            return Poll::Ready(());
+        }
+        if !state.close_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            state.close_waiters.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
 }
 
 impl<W: WriteHalf> Drop for TcpSink<W> {
@@ -796,6 +814,25 @@ impl<W: WriteHalf> Drop for TcpSink<W> {
 /// with the sender that woke it queue their frames first and leave in the
 /// same `write`.
 async fn write_loop<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
+    let _done = WriterDone(Arc::clone(&shared));
+    write_until_closed(shared).await;
+}
+
+/// Tells those waiting for a close that the writer task ended, however it
+/// ended (also when its runtime drops it).
+struct WriterDone<W: WriteHalf>(Arc<SinkShared<W>>);
+
+impl<W: WriteHalf> Drop for WriterDone<W> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.writer_done = true;
+        for waiter in state.close_waiters.drain(..) {
+            waiter.wake();
+        }
+    }
+}
+
+async fn write_until_closed<W: WriteHalf>(shared: Arc<SinkShared<W>>) {
     let mut batch = Outgoing::default();
     loop {
         // Wait until an inline sender or `close` hands the socket over.

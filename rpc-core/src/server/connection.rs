@@ -836,7 +836,7 @@ pub(super) async fn serve_connection(
         idle: Notify::new(),
         runners: Arc::default(),
     });
-    let _guard = ConnGuard(Arc::clone(&conn));
+    let guard = ConnGuard(Arc::clone(&conn));
     let mut source: Box<dyn FrameSource> = connection.source;
     let mut draining = *shutdown.borrow();
     // One future for the whole connection: re-created at every wait, it
@@ -919,6 +919,11 @@ pub(super) async fn serve_connection(
             .sink
             .try_send(&OutFrame::control(0, OutBody::GoAway(&status), false));
     }
+    // Closes the sink, then waits until what it accepted is out: once
+    // `serve` returns, the process may exit (its runtime, and a transport's
+    // writer task on it, with it) and no answer may be lost.
+    drop(guard);
+    std::future::poll_fn(|cx| conn.sink.poll_closed(cx)).await;
     tracing::debug!(peer = %conn.peer, "connection closed");
 }
 

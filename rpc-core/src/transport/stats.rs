@@ -250,6 +250,10 @@ impl FrameSink for StallCountingSink {
     fn close(&self) {
         self.inner.close();
     }
+
+    fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.inner.poll_closed(cx)
+    }
 }
 
 #[cfg(test)]

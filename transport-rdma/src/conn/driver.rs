@@ -209,7 +209,8 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         }
         {
             // Letting it go posts what was left to the driver.
-            let st = shared.lock_driver();
+            let mut st = shared.lock_driver();
+            st.wake_if_closed();
             if st.proto.failure().is_some() || (st.proto.is_disconnected() && st.handles == 0) {
                 break;
             }
@@ -299,6 +300,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     // Wake whoever waits: they see the failure (or the end).
     let mut st = shared.lock();
     for w in st.send_waiters.drain(..) {
+        w.wake();
+    }
+    for w in st.close_waiters.drain(..) {
         w.wake();
     }
     if let Some(w) = st.recv_waker.take() {

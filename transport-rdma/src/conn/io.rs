@@ -345,6 +345,21 @@ impl FrameSink for RdmaSink {
         st.proto.close();
         st.flush(&self.shared.mem);
     }
+
+    fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut st = self.shared.lock();
+        if st.is_closed() {
+            return Poll::Ready(());
+        }
+        if !st.close_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            st.close_waiters.push(cx.waker().clone());
+        }
+        drop(st);
+        // The driver looks at every turn of its loop: one now, for what
+        // completed before this waiter came.
+        self.shared.wake_task.notify_one();
+        Poll::Pending
+    }
 }
 
 impl Drop for RdmaSink {

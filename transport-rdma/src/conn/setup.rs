@@ -436,6 +436,7 @@ impl Established {
                 rendezvous: cfg.rendezvous_config(&own, &peer),
             }),
             send_waiters: Vec::new(),
+            close_waiters: Vec::new(),
             recv_waker: None,
             max_frame_len: limits.max_frame_len,
             handles: 2,

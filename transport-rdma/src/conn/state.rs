@@ -161,6 +161,9 @@ pub(super) struct State {
     pub(super) qp: QueuePair,
     pub(super) proto: proto::Connection,
     pub(super) send_waiters: Vec<Waker>,
+    /// Waiting for a close to have sent everything ([`State::is_closed`]);
+    /// woken by the driver.
+    pub(super) close_waiters: Vec<Waker>,
     pub(super) recv_waker: Option<Waker>,
     pub(super) max_frame_len: usize,
     pub(super) handles: u32,
@@ -619,6 +622,21 @@ impl State {
     fn release_on_failure(&mut self) {
         if self.proto.failure().is_some() {
             self.out_transfers.clear();
+        }
+    }
+
+    /// Whether nothing more will be sent: our `Close` and everything
+    /// before it went out and completed, or the connection is down.
+    pub(super) fn is_closed(&self) -> bool {
+        self.proto.is_drained() || self.proto.failure().is_some() || self.proto.is_disconnected()
+    }
+
+    /// Wakes those waiting for the close, if it is done.
+    pub(super) fn wake_if_closed(&mut self) {
+        if !self.close_waiters.is_empty() && self.is_closed() {
+            for w in self.close_waiters.drain(..) {
+                w.wake();
+            }
         }
     }
 
