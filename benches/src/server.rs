@@ -18,26 +18,30 @@ pub type Serving = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
 /// [`System::TonicRdma`] listens with `transport_rdma`'s default settings
 /// (see [`start_with`]).
 pub async fn start(system: System, address: &str) -> Result<(String, Serving), Error> {
-    start_with(system, address, &RdmaTransport::default(), None).await
+    start_with(system, address, &RdmaTransport::default(), None, None).await
 }
 
 /// [`start`], with the settings [`System::TonicRdma`]'s listener uses
 /// (completion polling: [`RdmaTransport::busy_poll`]) and, for both tonic
 /// systems, the largest HTTP/2 frame to accept (`None`: h2's default,
-/// 16 KiB).
+/// 16 KiB), and for [`System::Rpc`] the threads to serve connections on
+/// (`ServerBuilder::thread_per_core`; `None`: the runtime's).
 pub async fn start_with(
     system: System,
     address: &str,
     rdma: &RdmaTransport,
     http2_max_frame: Option<u32>,
+    thread_per_core: Option<usize>,
 ) -> Result<(String, Serving), Error> {
     match system {
         System::Rpc => {
-            let server = rpc_core::Server::builder()
+            let mut builder = rpc_core::Server::builder()
                 .max_message_size(MAX_MESSAGE_SIZE)
-                .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho))
-                .bind(address)
-                .await?;
+                .add_service(rpcbench::bench_server::BenchServer::new(RpcEcho));
+            if let Some(threads) = thread_per_core {
+                builder = builder.thread_per_core(threads);
+            }
+            let server = builder.bind(address).await?;
             let local = server.local_addr().to_string();
             Ok((local, Box::pin(async move { Ok(server.serve().await?) })))
         }

@@ -137,6 +137,12 @@ impl Service for TestService {
                     Ok(Response::new(Bytes::from(peer.unwrap_or_default())))
                 })
             }
+            "Thread" => {
+                codegen::unary::<BytesCodec, _, _>(call, |_request: Request<Bytes>| async move {
+                    let thread = std::thread::current().name().unwrap_or("").to_string();
+                    Ok(Response::new(Bytes::from(thread)))
+                })
+            }
             "Identity" => {
                 codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
                     let identity = request
@@ -235,6 +241,29 @@ pub fn start_servers_with_inline_handlers() {
     INLINE_HANDLERS.store(true, Ordering::Relaxed);
 }
 
+/// Threads the [`TestServer`]s this process starts serve their connections
+/// on ([`ServerBuilder::thread_per_core`]); 0 for the caller's runtime.
+static THREAD_PER_CORE: AtomicUsize = AtomicUsize::new(0);
+
+/// Makes every [`TestServer`] this process starts from now on serve each
+/// connection on one of `threads` threads of its own
+/// ([`ServerBuilder::thread_per_core`]): for a suite that runs the shared
+/// cases that way, in a test binary (a process) of its own.
+pub fn start_servers_thread_per_core(threads: usize) {
+    THREAD_PER_CORE.store(threads, Ordering::Relaxed);
+}
+
+/// A builder serving `service` as this process's settings say.
+fn server_builder(service: TestService) -> ServerBuilder {
+    let builder = rpc_core::Server::builder()
+        .inline_handlers(INLINE_HANDLERS.load(Ordering::Relaxed))
+        .add_service(service);
+    match THREAD_PER_CORE.load(Ordering::Relaxed) {
+        0 => builder,
+        threads => builder.thread_per_core(threads),
+    }
+}
+
 /// A running test server; dropping the handle does not stop it, `stop` does.
 pub struct TestServer {
     /// The address it listens on, port chosen.
@@ -254,10 +283,7 @@ impl TestServer {
     ) -> TestServer {
         let service = TestService::default();
         let probes = Arc::clone(&service.probes);
-        let builder = rpc_core::Server::builder()
-            .inline_handlers(INLINE_HANDLERS.load(Ordering::Relaxed))
-            .add_service(service);
-        let server = configure(builder)
+        let server = configure(server_builder(service))
             .bind(address)
             .await
             .expect("test server binds");
@@ -285,11 +311,7 @@ impl TestServer {
     ) -> TestServer {
         let service = TestService::default();
         let probes = Arc::clone(&service.probes);
-        let builder = configure(
-            rpc_core::Server::builder()
-                .inline_handlers(INLINE_HANDLERS.load(Ordering::Relaxed))
-                .add_service(service),
-        );
+        let builder = configure(server_builder(service));
         let address = address.to_string();
         let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

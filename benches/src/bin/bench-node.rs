@@ -53,6 +53,7 @@ use transport_rdma::RdmaTransport;
 
 const USAGE: &str =
     "usage: bench-node server --system rpc|tonic|tonic-rdma|raw --addr URL [--rdma-busy-poll-us N]
+                         [--thread-per-core N]
        bench-node client --system rpc|tonic|tonic-rdma|raw --addr URL [--sizes N,N..]
                          [--concurrency N,N..] [--warmup-ms N] [--latency-ms N]
                          [--latency-calls N] [--throughput-ms N] [--max-inflight-bytes N]
@@ -89,6 +90,9 @@ struct Args {
     rdma_region: Option<u32>,
     /// tonic systems: the largest HTTP/2 frame to accept; `None`: 16 KiB.
     http2_max_frame: Option<u32>,
+    /// rdma-rpc's server: serve connections on this many threads of its
+    /// own (`ServerBuilder::thread_per_core`); `None`: on the runtime.
+    thread_per_core: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -118,6 +122,7 @@ fn parse_args() -> Result<Args, String> {
         stream_total: 256 << 20,
         rdma_region: None,
         http2_max_frame: None,
+        thread_per_core: None,
     };
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -162,6 +167,9 @@ fn parse_args() -> Result<Args, String> {
             }
             "--rdma-busy-poll-us" => {
                 parsed.rdma_busy_poll = Some(Duration::from_micros(number()?));
+            }
+            "--thread-per-core" => {
+                parsed.thread_per_core = Some(number()?.max(1) as usize);
             }
             _ => return Err(format!("unknown option {flag:?}")),
         }
@@ -220,8 +228,14 @@ fn main() -> ExitCode {
 }
 
 async fn serve(args: &Args, rdma: &RdmaTransport) -> Result<(), Error> {
-    let (addr, serving) =
-        server::start_with(args.system, &args.addr, rdma, args.http2_max_frame).await?;
+    let (addr, serving) = server::start_with(
+        args.system,
+        &args.addr,
+        rdma,
+        args.http2_max_frame,
+        args.thread_per_core,
+    )
+    .await?;
     println!("listening on {addr}");
     std::io::stdout().flush()?;
     serving.await

@@ -255,3 +255,20 @@ impl Drop for ChildGuard {
         self.kill();
     }
 }
+
+/// The shared cases' load and payload sizes over `rdma://`: fewer
+/// concurrent calls than on TCP (the emulated device is slow), and
+/// payloads swept one byte below, at and above the inline limit (an 8 KiB
+/// slot less its 32-byte header), one region chunk (512 KiB) and the whole
+/// region (1 MiB); a frame adds its head and header fields, hence the range.
+pub fn rdma_profile() -> rpc_test_support::cases::Profile {
+    let mut payload_sizes = vec![0usize, 1, 4095, 4096, 4097, 65_535, 65_536, 65_537];
+    for limit in [8160usize, 512 << 10, 1 << 20] {
+        payload_sizes.extend(limit - 80..limit + 8);
+    }
+    payload_sizes.extend([4 << 20, 16 << 20, (64 << 20) - 64]);
+    rpc_test_support::cases::Profile {
+        concurrent_calls: 3_000,
+        payload_sizes,
+    }
+}
