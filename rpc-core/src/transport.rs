@@ -334,6 +334,20 @@ pub fn split_address(address: &str) -> Option<(&str, &str)> {
     (!scheme.is_empty() && !authority.is_empty()).then_some((scheme, authority))
 }
 
+/// A sink with room for every frame, at once, that sends them nowhere:
+/// for unit tests.
+#[cfg(test)]
+pub(crate) struct AlwaysRoom;
+
+#[cfg(test)]
+impl FrameSink for AlwaysRoom {
+    fn poll_send(&self, _: &mut Context<'_>, _: &OutFrame<'_>) -> Poll<Result<(), TransportError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn close(&self) {}
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -341,21 +355,6 @@ mod tests {
 
     use super::*;
     use crate::frame::OutBody;
-
-    /// A sink with room for every frame, at once.
-    struct AlwaysRoom;
-
-    impl FrameSink for AlwaysRoom {
-        fn poll_send(
-            &self,
-            _: &mut Context<'_>,
-            _: &OutFrame<'_>,
-        ) -> Poll<Result<(), TransportError>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn close(&self) {}
-    }
 
     /// A task sending frame after frame to a transport that always has room
     /// still lets the other tasks of its thread run: `send` yields once the

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use rpc_core::fanout::{FanOut, Finished, ShardResult};
-use rpc_core::{Balance, BytesCodec, Channel, Client, Code, Endpoint, Request};
+use rpc_core::{Balance, BytesCodec, Channel, Client, Code, Endpoint, Request, Response, Status};
+use tokio::task::JoinHandle;
 
 use crate::{count_message, count_request, sleep_request, TestServer};
 
@@ -49,6 +50,38 @@ impl Profile {
 
 async fn client_for(server: &TestServer) -> Client {
     Client::new(Channel::connect(&server.address).await.expect("connects"))
+}
+
+/// `count` calls to `Sleep` for `millis` each, every one in a task of its own.
+fn spawn_sleeps(
+    client: &Client,
+    count: usize,
+    millis: u32,
+) -> Vec<JoinHandle<Result<Response<Bytes>, Status>>> {
+    (0..count)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(millis)))
+                    .await
+            })
+        })
+        .collect()
+}
+
+/// Waits until `count` of `server`'s handlers sleep; fails after 5 s.
+async fn await_sleeping(server: &TestServer, count: usize) {
+    let probes = &server.probes;
+    assert!(
+        probes
+            .wait_until(Duration::from_secs(5), || probes
+                .sleeping
+                .load(Ordering::SeqCst)
+                == count)
+            .await,
+        "{count} calls did not all reach the server's handler"
+    );
 }
 
 pub async fn unary_round_trips_message_and_metadata(listen: String, _profile: &Profile) {
@@ -699,25 +732,8 @@ pub async fn killed_server_fails_pending_calls_and_the_channel_reconnects(
         .await
         .unwrap();
     let client = Client::new(channel);
-    let pending: Vec<_> = (0..20)
-        .map(|_| {
-            let client = client.clone();
-            tokio::spawn(async move {
-                client
-                    .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(30_000)))
-                    .await
-            })
-        })
-        .collect();
-    let probes = std::sync::Arc::clone(&server.probes);
-    assert!(
-        probes
-            .wait_until(Duration::from_secs(5), || probes
-                .sleeping
-                .load(Ordering::SeqCst)
-                == 20)
-            .await
-    );
+    let pending = spawn_sleeps(&client, 20, 30_000);
+    await_sleeping(&server, 20).await;
     let killed = Instant::now();
     server.kill().await;
     for call in pending {
@@ -760,25 +776,12 @@ pub async fn killed_server_fails_pending_calls_and_the_channel_reconnects(
 pub async fn graceful_shutdown_lets_calls_in_flight_finish(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let in_flight = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            client
-                .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(300)))
-                .await
-        })
-    };
-    let probes = std::sync::Arc::clone(&server.probes);
-    assert!(
-        probes
-            .wait_until(Duration::from_secs(5), || probes
-                .sleeping
-                .load(Ordering::SeqCst)
-                == 1)
-            .await
-    );
+    let in_flight = spawn_sleeps(&client, 1, 300);
+    await_sleeping(&server, 1).await;
     server.stop().await; // returns once drained
-    assert_eq!(in_flight.await.unwrap().unwrap().into_inner(), "slept");
+    for call in in_flight {
+        assert_eq!(call.await.unwrap().unwrap().into_inner(), "slept");
+    }
     let status = client
         .unary::<BytesCodec>("/test.Test/Echo", Request::new(Bytes::new()))
         .await
@@ -797,26 +800,8 @@ pub async fn a_server_whose_runtime_ends_with_serve_sent_every_answer(
     const CALLS: usize = 4;
     let server = TestServer::start_on_own_runtime(&listen, |b| b).await;
     let client = client_for(&server).await;
-    let in_flight: Vec<_> = (0..CALLS)
-        .map(|_| {
-            let client = client.clone();
-            tokio::spawn(async move {
-                client
-                    .unary::<BytesCodec>("/test.Test/Sleep", Request::new(sleep_request(300)))
-                    .await
-            })
-        })
-        .collect();
-    let probes = std::sync::Arc::clone(&server.probes);
-    assert!(
-        probes
-            .wait_until(Duration::from_secs(5), || probes
-                .sleeping
-                .load(Ordering::SeqCst)
-                == CALLS)
-            .await,
-        "the calls did not all reach the server"
-    );
+    let in_flight = spawn_sleeps(&client, CALLS, 300);
+    await_sleeping(&server, CALLS).await;
     server.stop().await; // its runtime is gone once this returns
     for (i, call) in in_flight.into_iter().enumerate() {
         let reply = call.await.expect("the call's task");

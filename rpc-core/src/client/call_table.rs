@@ -812,21 +812,6 @@ mod tests {
         }
     }
 
-    /// Takes every frame and sends it nowhere.
-    struct Discard;
-
-    impl FrameSink for Discard {
-        fn poll_send(
-            &self,
-            _: &mut Context<'_>,
-            _: &OutFrame<'_>,
-        ) -> Poll<Result<(), TransportError>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn close(&self) {}
-    }
-
     /// The only call's caller reads its answer before the event for it
     /// wakes the reader task, and leaves its own waker with the source in
     /// place of the reader task's: the answers to the calls after it must
@@ -839,7 +824,7 @@ mod tests {
     async fn a_caller_that_read_before_the_reader_was_woken_leaves_it_waiting_again() {
         let wire = Wire::default();
         let connection = Connection {
-            sink: Arc::new(Discard),
+            sink: Arc::new(crate::transport::AlwaysRoom),
             source: Box::new(wire.clone()),
             peer: "test peer".to_string(),
             identity: None,

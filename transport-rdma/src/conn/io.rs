@@ -392,9 +392,10 @@ impl FrameSource for RdmaSource {
                 // Look in the CQ before waiting for the driver: a frame
                 // that is already there is not delayed by a wake-up, and
                 // this task does not wake itself for it. Another task's
-                // waker stays, and is woken for what the CQ held (see
-                // `FrameSource::poll_recv`; dropping it stalled rpc-core's
-                // calls until the keepalive, 20 s).
+                // waker stays, and is woken for what the CQ held: more
+                // than `FrameSource::poll_recv` asks (rpc-core hands the
+                // source back itself now), kept since rpc-core once relied
+                // on it (without it, calls stalled until the keepalive).
                 st.recv_waker = st.recv_waker.take().filter(|w| !w.will_wake(cx.waker()));
                 if st.drain_cq(&shared.cq, mem) > 0 {
                     continue;
