@@ -852,6 +852,8 @@ pub(super) async fn serve_connection(
     // The client shut down its write side (`Ok(None)`): it sends nothing
     // more, but the calls it opened still run and their replies go out.
     let mut half_closed = false;
+    // The client was taken for dead: nothing more will reach it.
+    let mut client_dead = false;
     let violation = loop {
         if (draining || half_closed) && backlog.is_empty() && conn.open_calls(&conn.calls()) == 0 {
             break None;
@@ -884,6 +886,7 @@ pub(super) async fn serve_connection(
                 Tick::Ping if half_closed => {
                     if let Err(error) = conn.sink.try_send(&OutFrame::control(0, OutBody::Ping, false)) {
                         tracing::debug!(peer = %conn.peer, "the half-closed client is gone ({error}): ending its calls");
+                        client_dead = true;
                         break None;
                     }
                 }
@@ -894,6 +897,7 @@ pub(super) async fn serve_connection(
                 }
                 Tick::Dead(silent) => {
                     tracing::info!(peer = %conn.peer, "no complete frame from the client for {silent:?}, and no answer to a ping: closing");
+                    client_dead = true;
                     break None;
                 }
             },
@@ -911,6 +915,7 @@ pub(super) async fn serve_connection(
             () = conn.idle.notified(), if draining || half_closed => {}
         }
     };
+    let orderly = violation.is_none() && !client_dead;
     if let Some(violation) = violation {
         tracing::warn!(peer = %conn.peer, "closing connection: {violation}");
         let status = Status::internal(format!("protocol error: {violation}"));
@@ -921,9 +926,22 @@ pub(super) async fn serve_connection(
     }
     // Closes the sink, then waits until what it accepted is out: once
     // `serve` returns, the process may exit (its runtime, and a transport's
-    // writer task on it, with it) and no answer may be lost.
+    // writer task on it, with it) and no answer may be lost. Not for a
+    // client that broke the protocol or was found dead, and no longer than
+    // keepalive would wait for a silent client.
     drop(guard);
-    std::future::poll_fn(|cx| conn.sink.poll_closed(cx)).await;
+    if orderly {
+        let flushed = std::future::poll_fn(|cx| conn.sink.poll_closed(cx));
+        match conn.routes.keepalive {
+            None => flushed.await,
+            Some(keepalive) => {
+                let patience = keepalive.interval + keepalive.timeout;
+                if tokio::time::timeout(patience, flushed).await.is_err() {
+                    tracing::info!(peer = %conn.peer, "the client took none of the last frames for {patience:?}: closing without them");
+                }
+            }
+        }
+    }
     tracing::debug!(peer = %conn.peer, "connection closed");
 }
 
@@ -935,7 +953,8 @@ mod tests {
     use crate::keepalive::Keepalive;
     use crate::transport::stats::{ConnectionCounters, Side};
 
-    /// A client that reads nothing: its connection never has room.
+    /// A client that reads nothing: its connection never has room, and
+    /// what was sent never leaves.
     struct FullSink;
 
     impl FrameSink for FullSink {
@@ -948,6 +967,10 @@ mod tests {
         }
 
         fn close(&self) {}
+
+        fn poll_closed(&self, _cx: &mut Context<'_>) -> Poll<()> {
+            Poll::Pending
+        }
     }
 
     /// Delivers its frames, counting those taken, then nothing (silent, not closed).
@@ -1020,12 +1043,22 @@ mod tests {
             counters: ConnectionCounters::of("full-sink-test", Side::Server),
         });
         let (_shutdown_tx, shutdown) = watch::channel(false);
+        let started = tokio::time::Instant::now();
         tokio::time::timeout(
             Duration::from_secs(60),
             serve_connection(routes, connection, shutdown),
         )
         .await
         .expect("keepalive closed the connection while a refusal waited for room");
+        // Found dead 3 s in (1 s of silence, a ping, no answer for 1 s, at
+        // the timer's ticks): then the connection ends without waiting for
+        // its frames to leave, which they never will (waiting for them,
+        // bounded by the keepalive's 2 s, it ended 5 s in).
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "the connection ended {:?} after it started: it waited for a dead client to take its frames",
+            started.elapsed()
+        );
         assert_eq!(
             taken.load(Ordering::SeqCst),
             1,
