@@ -21,7 +21,7 @@ use crate::frame::{
 };
 use crate::gate::WakeGate;
 use crate::intercept::{self, CallEnd, CallHead, Extensions, Peer};
-use crate::keepalive::{KeepaliveTimer, Tick};
+use crate::keepalive::{KeepaliveTimer, Tick, DEFAULT_KEEPALIVE};
 use crate::message::Inbound;
 use crate::metadata::MetadataMap;
 use crate::status::Status;
@@ -928,18 +928,16 @@ pub(super) async fn serve_connection(
     // `serve` returns, the process may exit (its runtime, and a transport's
     // writer task on it, with it) and no answer may be lost. Not for a
     // client that broke the protocol or was found dead, and no longer than
-    // keepalive would wait for a silent client.
+    // keepalive would wait for a silent client (the default keepalive's
+    // patience when it is off: a client that takes nothing, say one that
+    // grants RDMA no credits, must not hold the connection forever).
     drop(guard);
     if orderly {
         let flushed = std::future::poll_fn(|cx| conn.sink.poll_closed(cx));
-        match conn.routes.keepalive {
-            None => flushed.await,
-            Some(keepalive) => {
-                let patience = keepalive.interval + keepalive.timeout;
-                if tokio::time::timeout(patience, flushed).await.is_err() {
-                    tracing::info!(peer = %conn.peer, "the client took none of the last frames for {patience:?}: closing without them");
-                }
-            }
+        let keepalive = conn.routes.keepalive.unwrap_or(DEFAULT_KEEPALIVE);
+        let patience = keepalive.interval + keepalive.timeout;
+        if tokio::time::timeout(patience, flushed).await.is_err() {
+            tracing::info!(peer = %conn.peer, "the client took none of the last frames for {patience:?}: closing without them");
         }
     }
     tracing::debug!(peer = %conn.peer, "connection closed");
@@ -989,6 +987,55 @@ mod tests {
                 None => Poll::Pending,
             }
         }
+    }
+
+    /// A client that closed its side: nothing more arrives.
+    struct Ended;
+
+    impl FrameSource for Ended {
+        fn poll_recv(
+            &mut self,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Result<Option<Bytes>, TransportError>> {
+            Poll::Ready(Ok(None))
+        }
+    }
+
+    /// With keepalive off, a client that takes none of the last frames
+    /// holds its connection no longer than the default keepalive's
+    /// patience.
+    #[tokio::test(start_paused = true)]
+    async fn without_keepalive_the_wait_for_the_last_frames_is_still_bounded() {
+        let connection = Connection {
+            sink: Arc::new(FullSink),
+            source: Box::new(Ended),
+            peer: "test".into(),
+            identity: None,
+        };
+        let routes = Arc::new(Routes {
+            services: Default::default(),
+            max_message_size: 1 << 20,
+            stream_window: INITIAL_STREAM_WINDOW,
+            keepalive: None,
+            max_concurrent_calls: None,
+            interceptors: Vec::new(),
+            inline_handlers: false,
+            counters: ConnectionCounters::of("ended-test", Side::Server),
+        });
+        let (_shutdown_tx, shutdown) = watch::channel(false);
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(600),
+            serve_connection(routes, connection, shutdown),
+        )
+        .await
+        .expect("the connection waited for its last frames with no bound");
+        let patience = DEFAULT_KEEPALIVE.interval + DEFAULT_KEEPALIVE.timeout;
+        assert_eq!(
+            started.elapsed(),
+            patience,
+            "the connection did not wait the default keepalive's patience for its last frames"
+        );
     }
 
     /// Call ids hash apart under one connection's keys, and to other
