@@ -1,7 +1,8 @@
 //! `cargo xtask bench`: the end-to-end benchmark, in two parts.
 //!
 //! Builds `bench-node` (crate `benches`) in release mode. The TCP part: for
-//! each system (rdma-rpc, tonic, raw TCP) starts a server process on a free
+//! each system (rdma-rpc, rdma-rpc's server with `thread_per_core(1)`,
+//! tonic, raw TCP) starts a server process on a free
 //! port, runs a client process against it, and reads the client's result
 //! lines. The RDMA part ([`rdma`]): rdma-rpc over `rdma://` and perftest on
 //! the Soft-RoCE device, in one `cargo xtask rxe` guest. Each part prints
@@ -34,9 +35,10 @@ use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 pub(crate) const BENCH_USAGE: &str = "details of bench:
   cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--stream]
                     [--instructions] [--ps] [--rpc-addr URL] [--out DIR]
-    --quick         short measurements (about two minutes for the TCP part);
+    --quick         short measurements (about three minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
-    --tcp           run the TCP part: rdma-rpc vs tonic vs raw TCP, on loopback
+    --tcp           run the TCP part: rdma-rpc (its server as built by default,
+                    and with thread_per_core(1)) vs tonic vs raw TCP, on loopback
     --rdma          run the RDMA part: rdma-rpc over rdma:// vs perftest on
                     Soft-RoCE, in one qemu guest (`cargo xtask rxe`; about
                     2 minutes with --quick, 5 to 6 without)
@@ -84,16 +86,23 @@ const END: &str = "<!-- cargo xtask bench: generated up to here -->";
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum System {
     Rpc,
+    /// rdma-rpc with the server's `thread_per_core(1)`.
+    RpcThreadPerCore,
     Raw,
     Tonic,
 }
 
 impl System {
-    const ALL: [System; 3] = [System::Rpc, System::Tonic, System::Raw];
+    const ALL: [System; 4] = [
+        System::Rpc,
+        System::RpcThreadPerCore,
+        System::Tonic,
+        System::Raw,
+    ];
 
     fn arg(self) -> &'static str {
         match self {
-            System::Rpc => "rpc",
+            System::Rpc | System::RpcThreadPerCore => "rpc",
             System::Tonic => "tonic",
             System::Raw => "raw",
         }
@@ -102,14 +111,24 @@ impl System {
     fn title(self) -> &'static str {
         match self {
             System::Rpc => "rdma-rpc",
+            System::RpcThreadPerCore => "rdma-rpc, thread per core",
             System::Tonic => "tonic",
             System::Raw => "raw TCP",
+        }
+    }
+
+    /// What the server is started with beyond its system and address.
+    fn server_args(self) -> &'static [&'static str] {
+        match self {
+            System::RpcThreadPerCore => &["--thread-per-core", "1"],
+            System::Rpc | System::Tonic | System::Raw => &[],
         }
     }
 
     fn colour(self) -> &'static str {
         match self {
             System::Rpc => "#d62728",
+            System::RpcThreadPerCore => "#ff7f0e",
             System::Tonic => "#1f77b4",
             System::Raw => "#555555",
         }
@@ -297,7 +316,7 @@ fn tcp_part(node: &Path, settings: &Settings) -> Result<(), String> {
     let mut servers = Vec::new();
     for system in System::ALL {
         let listen = match system {
-            System::Rpc => settings.rpc_addr.as_str(),
+            System::Rpc | System::RpcThreadPerCore => settings.rpc_addr.as_str(),
             System::Tonic | System::Raw => "tcp://127.0.0.1:0",
         };
         servers.push((system, start_server(node, system, listen)?));
@@ -468,6 +487,7 @@ fn start_server(
     let mut server = ServerProcess(
         Command::new(node)
             .args(["server", "--system", system.arg(), "--addr", listen])
+            .args(system.server_args())
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("could not start bench-node server: {e}"))?,
@@ -650,8 +670,8 @@ fn tables(results: &Results) -> String {
         out,
         "### Unary round-trip latency, one call at a time\n\n\
          Ratios are rdma-rpc's latency over the comparator's: below 1× is faster.\n\n\
-         | size | percentile | rdma-rpc | raw TCP | rdma-rpc / raw | tonic | rdma-rpc / tonic |\n\
-         |---:|---|---:|---:|---:|---:|---:|"
+         | size | percentile | rdma-rpc | raw TCP | rdma-rpc / raw | tonic | rdma-rpc / tonic | thread per core | thread per core / raw |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|"
     );
     for size in SIZES {
         let get = |system| results.latency.get(&(system, size)).copied();
@@ -665,13 +685,15 @@ fn tables(results: &Results) -> String {
             let show = |system| value(system).map_or("–".into(), micros);
             let _ = writeln!(
                 out,
-                "| {} | {name} | {} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} |",
                 size_name(size),
                 show(System::Rpc),
                 show(System::Raw),
                 ratio(value(System::Rpc), value(System::Raw)),
                 show(System::Tonic),
                 ratio(value(System::Rpc), value(System::Tonic)),
+                show(System::RpcThreadPerCore),
+                ratio(value(System::RpcThreadPerCore), value(System::Raw)),
             );
         }
     }
@@ -693,10 +715,12 @@ fn tables(results: &Results) -> String {
         out,
         "### Throughput, unary calls in flight on one connection\n\n\
          rdma-rpc and tonic: one task per call in flight, all on one channel. Raw TCP: one \
-         connection pipelining that many frames. GB/s counts payload one way (10⁹ bytes/s); \
-         the echo carries as much back. Ratios above 1× mean rdma-rpc is faster.\n\n\
-         | size | in flight | rdma-rpc calls/s | rdma-rpc GB/s | raw TCP calls/s | rdma-rpc / raw | tonic calls/s | rdma-rpc / tonic |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|"
+         connection pipelining that many frames, its writes batched. \"Thread per core\": \
+         rdma-rpc's server with `ServerBuilder::thread_per_core(1)` (the connection served \
+         wholly on one current-thread runtime), the same client. GB/s counts payload one way \
+         (10⁹ bytes/s); the echo carries as much back. Ratios above 1× mean rdma-rpc is faster.\n\n\
+         | size | in flight | rdma-rpc calls/s | rdma-rpc GB/s | raw TCP calls/s | rdma-rpc / raw | tonic calls/s | rdma-rpc / tonic | thread per core calls/s | thread per core / raw |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for size in SIZES {
         for concurrency in CONCURRENCY {
@@ -712,7 +736,7 @@ fn tables(results: &Results) -> String {
             let show = |system| get(system).map_or("–".into(), rate_name);
             let _ = writeln!(
                 out,
-                "| {} | {concurrency} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {concurrency} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 size_name(size),
                 show(System::Rpc),
                 get(System::Rpc).map_or("–".into(), |r| format!("{:.3}", r * size as f64 / 1e9)),
@@ -720,6 +744,8 @@ fn tables(results: &Results) -> String {
                 ratio(get(System::Rpc), get(System::Raw)),
                 show(System::Tonic),
                 ratio(get(System::Rpc), get(System::Tonic)),
+                show(System::RpcThreadPerCore),
+                ratio(get(System::RpcThreadPerCore), get(System::Raw)),
             );
         }
     }
@@ -771,6 +797,20 @@ fn targets(results: &Results) -> String {
             0.5,
             false,
         );
+        if let (Some(a), Some(b)) = (
+            rate(System::RpcThreadPerCore, size),
+            rate(System::Raw, size),
+        ) {
+            row(
+                format!(
+                    "{} × 64 in flight, thread per core: ≥ 0.5× pipelined raw",
+                    size_name(size)
+                ),
+                Some(a / b),
+                0.5,
+                false,
+            );
+        }
     }
     out
 }
