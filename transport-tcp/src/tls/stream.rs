@@ -163,4 +163,8 @@ impl WriteHalf for TlsWriteHalf {
     fn shutdown_write(&self) {
         let _ = socket2::SockRef::from(&*self.tcp).shutdown(std::net::Shutdown::Write);
     }
+
+    fn set_unsent_limit(&self, bytes: u32) {
+        let _ = socket2::SockRef::from(&*self.tcp).set_tcp_notsent_lowat(bytes);
+    }
 }
