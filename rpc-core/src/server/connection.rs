@@ -989,6 +989,24 @@ mod tests {
         }
     }
 
+    /// A server's settings with no service, as the tests here need them.
+    fn routes_without_services(
+        name: &'static str,
+        keepalive: Option<Keepalive>,
+        max_concurrent_calls: Option<usize>,
+    ) -> Arc<Routes> {
+        Arc::new(Routes {
+            services: Default::default(),
+            max_message_size: 1 << 20,
+            stream_window: INITIAL_STREAM_WINDOW,
+            keepalive,
+            max_concurrent_calls,
+            interceptors: Vec::new(),
+            inline_handlers: false,
+            counters: ConnectionCounters::of(name, Side::Server),
+        })
+    }
+
     /// A client that closed its side: nothing more arrives.
     struct Ended;
 
@@ -1012,16 +1030,7 @@ mod tests {
             peer: "test".into(),
             identity: None,
         };
-        let routes = Arc::new(Routes {
-            services: Default::default(),
-            max_message_size: 1 << 20,
-            stream_window: INITIAL_STREAM_WINDOW,
-            keepalive: None,
-            max_concurrent_calls: None,
-            interceptors: Vec::new(),
-            inline_handlers: false,
-            counters: ConnectionCounters::of("ended-test", Side::Server),
-        });
+        let routes = routes_without_services("ended-test", None, None);
         let (_shutdown_tx, shutdown) = watch::channel(false);
         let started = tokio::time::Instant::now();
         tokio::time::timeout(
@@ -1076,19 +1085,11 @@ mod tests {
             peer: "test".into(),
             identity: None,
         };
-        let routes = Arc::new(Routes {
-            services: Default::default(),
-            max_message_size: 1 << 20,
-            stream_window: INITIAL_STREAM_WINDOW,
-            keepalive: Some(Keepalive {
-                interval: Duration::from_secs(1),
-                timeout: Duration::from_secs(1),
-            }),
-            max_concurrent_calls: Some(1),
-            interceptors: Vec::new(),
-            inline_handlers: false,
-            counters: ConnectionCounters::of("full-sink-test", Side::Server),
-        });
+        let keepalive = Keepalive {
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        };
+        let routes = routes_without_services("full-sink-test", Some(keepalive), Some(1));
         let (_shutdown_tx, shutdown) = watch::channel(false);
         let started = tokio::time::Instant::now();
         tokio::time::timeout(
