@@ -43,8 +43,8 @@
 //!   call waits behind at most one piece instead of a whole tensor. A
 //!   call's own frames keep their order: once a call has a frame in
 //!   pieces, its later frames follow it. While small frames go between the
-//!   pieces (and for 10 ms after), pieces are 256 KiB and the socket holds
-//!   at most 128 KiB unsent (`TCP_NOTSENT_LOWAT`), or the kernel's send
+//!   pieces (and for 10 ms after), pieces are 64 KiB and the socket holds
+//!   at most 64 KiB unsent (`TCP_NOTSENT_LOWAT`), or the kernel's send
 //!   buffer (megabytes) would sit ahead of the small frame anyway; while
 //!   only large frames go, both are 1 MiB, which spares each large frame
 //!   wake-ups on both ends (a 1 MiB echo one at a time: 0.74 ms against
