@@ -415,16 +415,24 @@ impl BoundServer {
         signal: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
         tracing::info!(address = %self.local_addr, "serving");
-        if let Some(threads) = self.thread_per_core {
-            return self.serve_on_threads(threads, signal).await;
-        }
         let BoundServer {
             listener,
             local_addr,
             routes,
             shutdown_grace,
-            ..
+            thread_per_core,
         } = self;
+        if let Some(threads) = thread_per_core {
+            return Self::serve_on_threads(
+                listener,
+                local_addr,
+                routes,
+                shutdown_grace,
+                threads,
+                signal,
+            )
+            .await;
+        }
         let listener = tokio::sync::Mutex::new(listener);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let connections = accept_until(&listener, &routes, &local_addr, &shutdown_rx, signal).await;
@@ -440,17 +448,13 @@ impl BoundServer {
     /// runtime taking its turn at the listener
     /// ([`ServerBuilder::thread_per_core`]).
     async fn serve_on_threads(
-        self,
+        listener: Box<dyn Listener>,
+        local_addr: String,
+        routes: Arc<Routes>,
+        shutdown_grace: Option<Duration>,
         threads: usize,
         signal: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
-        let BoundServer {
-            listener,
-            local_addr,
-            routes,
-            shutdown_grace,
-            ..
-        } = self;
         // A connection accepted on a thread has its I/O registered with
         // that thread's runtime (tokio registers with the current one); the
         // listener's own readiness stays with this runtime.
