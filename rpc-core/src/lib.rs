@@ -95,6 +95,7 @@ mod flow;
 mod gate;
 mod keepalive;
 mod message;
+mod payload;
 mod server;
 mod status;
 
@@ -106,6 +107,7 @@ pub use codec::{BytesCodec, Codec, ProstCodec};
 pub use flow::DEFAULT_STREAM_WINDOW;
 pub use message::{IntoRequest, IntoStreamingRequest, Request, Response, Streaming};
 pub use metadata::MetadataMap;
+pub use payload::{PayloadBuffer, PayloadMemory};
 pub use server::{BoundServer, ServeError, Server, ServerBuilder, DEFAULT_MAX_CONCURRENT_CALLS};
 pub use status::{Code, Status};
 

@@ -167,6 +167,18 @@ pub trait FrameSink: Send + Sync + 'static {
     fn poll_closed(&self, _cx: &mut Context<'_>) -> Poll<()> {
         Poll::Ready(())
     }
+
+    /// `len` zeroed bytes of memory this connection sends from with no
+    /// copy (see [`PayloadBuffer`](crate::PayloadBuffer)), or `Pending`
+    /// while the transport's pool for them is full (it wakes `cx` when
+    /// one is given back). The default hands out heap memory at once.
+    fn poll_payload_buffer(
+        &self,
+        _cx: &mut Context<'_>,
+        len: usize,
+    ) -> Poll<Result<crate::PayloadBuffer, TransportError>> {
+        Poll::Ready(Ok(crate::PayloadBuffer::heap(len)))
+    }
 }
 
 /// The receiving half of a connection.

@@ -219,7 +219,7 @@ mod teardown;
 pub mod verbs;
 
 pub use admission::IpPrefix;
-pub use conn::{rendezvous_bytes_sent, REGISTER_IN_PLACE_MIN};
+pub use conn::{rendezvous_bytes_sent, rendezvous_bytes_sent_from_pool, REGISTER_IN_PLACE_MIN};
 pub use proto::auth::{SecretError, SharedSecret};
 pub use stream::{RdmaListener, RdmaReadHalf, RdmaStream, RdmaWriteHalf};
 
@@ -298,6 +298,7 @@ pub struct RdmaTransport {
     busy_poll: Option<Duration>,
     rendezvous_threshold: Option<usize>,
     rendezvous_pool: u64,
+    payload_pool: u64,
     stream_keepalive: Option<Duration>,
     release_idle_memory: Option<Duration>,
     admission: AdmissionLimits,
@@ -322,6 +323,7 @@ impl Default for RdmaTransport {
             busy_poll: None,
             rendezvous_threshold: None,
             rendezvous_pool: 64 << 20,
+            payload_pool: 128 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
             release_idle_memory: Some(Duration::from_secs(30)),
             admission: AdmissionLimits {
@@ -559,6 +561,23 @@ impl RdmaTransport {
     /// for room (back pressure), in order.
     pub fn rendezvous_pool(mut self, bytes: u64) -> RdmaTransport {
         self.rendezvous_pool = bytes.max(4096);
+        self
+    }
+
+    /// Most bytes of a connection's payload buffers
+    /// ([`Channel::payload_buffer`](rpc_core::Channel::payload_buffer)),
+    /// handed out or kept for reuse (default 128 MiB): registered when
+    /// first handed out (local access and memory-window binding only: the
+    /// peer reads a buffer only through a window bound for one transfer,
+    /// deallocated when the peer is done), given back when the last
+    /// `Bytes` of one drops, and kept registered for a later buffer of the
+    /// same size while the budget allows. When full, asking for a buffer
+    /// waits until one is given back. Only connections that send by
+    /// rendezvous ([`rendezvous_threshold`](Self::rendezvous_threshold),
+    /// set on both sides) hand out pool buffers, and only of at least the
+    /// threshold; others hand out heap memory.
+    pub fn payload_pool(mut self, bytes: u64) -> RdmaTransport {
+        self.payload_pool = bytes.max(4096);
         self
     }
 

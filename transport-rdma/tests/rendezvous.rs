@@ -584,3 +584,104 @@ async fn measure_register_in_place_against_copy() {
         );
     }
 }
+
+async fn payload_buffer(sink: &Arc<dyn FrameSink>, len: usize) -> rpc_core::PayloadBuffer {
+    tokio::time::timeout(
+        STEP,
+        std::future::poll_fn(|cx| sink.poll_payload_buffer(cx, len)),
+    )
+    .await
+    .expect("a payload buffer in time")
+    .expect("a payload buffer")
+}
+
+/// Buffers from the connection's payload pool are read by the peer through
+/// a memory window bound for the transfer: no copy, no registration per
+/// call (the counter of bytes sent from the pool says so), for a whole
+/// buffer and for a slice of one; a given-back buffer is handed out again
+/// (the same memory); a full pool makes the next buffer wait until one is
+/// given back; one larger than the pool is refused; below the threshold
+/// buffers are heap memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn payload_buffers_are_read_through_a_window_with_no_copy() {
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let threshold = 64 << 10;
+    let cfg = RdmaTransport::default()
+        .rendezvous_threshold(Some(threshold))
+        .payload_pool(3 << 20);
+    let limits = FrameLimits {
+        max_frame_len: (4 << 20) + 4096,
+    };
+    let (client, mut server) = env.pair(&cfg, limits).await;
+    let head = HEAD_LEN.max(transport_rdma::proto::ANNOUNCE_PREFIX_LEN);
+    let mut previous = None;
+    for (i, len) in [1 << 20, 1 << 20, (2 << 20) + 5].into_iter().enumerate() {
+        let mut buffer = payload_buffer(&client.sink, len).await;
+        assert!(buffer.iter().all(|&b| b == 0), "buffer {i} starts zeroed");
+        let want = payload(i, len);
+        buffer.copy_from_slice(&want);
+        let at = buffer.as_ptr() as usize;
+        if i == 1 {
+            assert_eq!(
+                previous,
+                Some(at),
+                "the given-back buffer is handed out again"
+            );
+        }
+        previous = Some(at);
+        let body = buffer.freeze();
+        // The last one goes as a slice of its buffer.
+        let body = if i == 2 { body.slice(5..) } else { body };
+        let from_pool_before = transport_rdma::rendezvous_bytes_sent_from_pool();
+        send(&client.sink, i as u64 + 1, &body).await.expect("sent");
+        let got = recv(&mut server).await;
+        assert!(got[HEAD_LEN..] == body[..], "frame {i} differs");
+        assert!(transport_rdma::rendezvous_pool_contains(got.as_ptr()));
+        assert_eq!(
+            transport_rdma::rendezvous_bytes_sent_from_pool() - from_pool_before,
+            (HEAD_LEN + body.len() - head) as u64,
+            "frame {i}: all but the head read out of the payload buffer"
+        );
+        drop((got, body));
+        // The peer's `Done` ends the transfer; then the buffer comes back.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The pool (3 MiB) holds a 2 MiB buffer and a 1 MiB one, not a third.
+    let big = payload_buffer(&client.sink, 2 << 20).await;
+    let small = payload_buffer(&client.sink, 1 << 20).await;
+    let sink = Arc::clone(&client.sink);
+    let waiting = tokio::spawn(async move { payload_buffer(&sink, 1 << 20).await.len() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a buffer past the pool's budget waits"
+    );
+    drop(big);
+    let got = tokio::time::timeout(STEP, waiting)
+        .await
+        .expect("the waiting buffer came once one was given back")
+        .unwrap();
+    assert_eq!(got, 1 << 20);
+    drop(small);
+
+    let refused = std::future::poll_fn(|cx| client.sink.poll_payload_buffer(cx, 4 << 20)).await;
+    let error = refused.expect_err("a buffer larger than the pool is refused");
+    assert!(error.to_string().contains("payload_pool"), "{error}");
+
+    // Below the threshold: heap memory, copied as any small frame is.
+    let small = payload_buffer(&client.sink, 1000).await;
+    let from_pool_before = transport_rdma::rendezvous_bytes_sent_from_pool();
+    let body = small.freeze();
+    send(&client.sink, 9, &body).await.expect("sent");
+    let got = recv(&mut server).await;
+    assert!(got[HEAD_LEN..] == body[..]);
+    assert_eq!(
+        transport_rdma::rendezvous_bytes_sent_from_pool(),
+        from_pool_before
+    );
+}

@@ -195,6 +195,22 @@ impl Channel {
         }
     }
 
+    /// `len` zeroed bytes to fill with a large payload and send with no
+    /// copy (see [`PayloadBuffer`](crate::PayloadBuffer)): memory of the
+    /// connection the next call would take (connecting first if none is
+    /// up). Over `rdma://` it comes from that connection's bounded pool of
+    /// registered memory, and waits while the pool is full; sent on another
+    /// connection (a reconnection, another replica) it still goes with no
+    /// copy, registered where it lies as any `Bytes` is.
+    pub async fn payload_buffer(&self, len: usize) -> Result<crate::PayloadBuffer, Status> {
+        let picked = self.pick(None).await?;
+        std::future::poll_fn(|cx| picked.conn.sink.poll_payload_buffer(cx, len))
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!("a payload buffer from {}: {e}", picked.conn.peer))
+            })
+    }
+
     /// Whether replica `replica` is marked serving (see [`set_serving`](Self::set_serving)).
     pub fn is_serving(&self, replica: usize) -> bool {
         self.inner

@@ -254,6 +254,14 @@ impl FrameSink for StallCountingSink {
     fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
         self.inner.poll_closed(cx)
     }
+
+    fn poll_payload_buffer(
+        &self,
+        cx: &mut Context<'_>,
+        len: usize,
+    ) -> Poll<Result<crate::PayloadBuffer, TransportError>> {
+        self.inner.poll_payload_buffer(cx, len)
+    }
 }
 
 #[cfg(test)]

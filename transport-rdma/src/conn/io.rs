@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes};
 use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
+use rpc_core::PayloadBuffer;
 
 use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Received, Shared, State};
 use super::transfer::OutgoingTransfer;
@@ -211,10 +212,13 @@ impl RdmaSink {
                 reservation,
             };
             let registered = match frame {
-                Some(frame) => OutgoingTransfer::gathered(&mem.pd, frame, room),
+                Some(frame) => {
+                    let pool = shared.payloads.as_ref().map(|(pool, _)| pool);
+                    OutgoingTransfer::gathered(&mem.pd, pool, frame, room)
+                }
                 None => OutgoingTransfer::encoded(&mem.pd, len, encode),
             };
-            let out = match registered {
+            let mut out = match registered {
                 Ok(out) => out,
                 Err(e) => {
                     drop(encoding);
@@ -228,6 +232,14 @@ impl RdmaSink {
             if let Err(refusal) = st.proto.queue_frame(reservation, None) {
                 st.wake();
                 return Poll::Ready(Err(refusal_error(refusal)));
+            }
+            let pool = shared.payloads.as_ref().map(|(pool, _)| pool);
+            if let Err(e) = out.bind_windows(pool, &mut st.qp) {
+                // The announcement is queued: the connection cannot go on
+                // without it.
+                let reason = format!("binding a memory window for a rendezvous frame: {e}");
+                st.fail(reason.clone());
+                return Poll::Ready(Err(connection_error(&reason)));
             }
             // SAFETY: the announcement's send slot is this reservation's
             // until its SEND completes, and it is posted only by the
@@ -344,6 +356,18 @@ impl FrameSink for RdmaSink {
         let mut st = self.shared.lock();
         st.proto.close();
         st.flush(&self.shared.mem);
+    }
+
+    fn poll_payload_buffer(
+        &self,
+        cx: &mut Context<'_>,
+        len: usize,
+    ) -> Poll<Result<PayloadBuffer, TransportError>> {
+        match &self.shared.payloads {
+            Some((pool, threshold)) if len >= *threshold => pool.poll_buffer(cx, len),
+            // Sent inline or through the region: copied either way.
+            _ => Poll::Ready(Ok(PayloadBuffer::heap(len))),
+        }
     }
 
     fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {

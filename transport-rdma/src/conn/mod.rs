@@ -44,6 +44,7 @@
 mod cm_events;
 mod driver;
 mod io;
+mod payloads;
 mod setup;
 mod slots;
 mod state;
@@ -54,7 +55,7 @@ pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
 pub(crate) use setup::{accept, connect, pinned_bytes};
 pub(crate) use state::pool_contains;
-pub use transfer::{rendezvous_bytes_sent, REGISTER_IN_PLACE_MIN};
+pub use transfer::{rendezvous_bytes_sent, rendezvous_bytes_sent_from_pool, REGISTER_IN_PLACE_MIN};
 
 use rpc_core::transport::TransportError;
 

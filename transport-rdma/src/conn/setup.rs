@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
+use super::payloads::PayloadPool;
 use super::slots::SlotMemory;
 use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
@@ -94,8 +95,14 @@ const INLINE_SEND_BYTES: u32 = 256;
 fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
     let pd = ProtectionDomain::new(id)?;
     let cc = CompletionChannel::new(id)?;
-    let max_send_wr =
-        2 * (cfg.max_peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + 4;
+    // Unsignaled binds of memory windows precede the announcements of our
+    // transfers, each at most `MAX_SEGMENTS`.
+    let binds = crate::RENDEZVOUS_MAX_OUTGOING * crate::proto::MAX_SEGMENTS as u32;
+    let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS)
+        + CTRL_SLOTS
+        + crate::verbs::READ_DEPTH
+        + binds
+        + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,
@@ -416,6 +423,10 @@ impl Established {
             lease,
             authenticated: _,
         } = self;
+        let rendezvous = cfg.rendezvous_config(&own, &peer);
+        let payloads = rendezvous
+            .threshold
+            .map(|threshold| (PayloadPool::new(&pd, cfg.payload_pool), threshold));
         let inline_max = cfg
             .inline_threshold
             .min(peer.slot_size as usize - HEADER_LEN);
@@ -433,7 +444,7 @@ impl Established {
                 max_frame_len: limits.max_frame_len,
                 max_skip_len: limits.max_skip_len(),
                 prefix_len: OVERSIZED_PREFIX_LEN,
-                rendezvous: cfg.rendezvous_config(&own, &peer),
+                rendezvous,
             }),
             send_waiters: Vec::new(),
             close_waiters: Vec::new(),
@@ -460,6 +471,7 @@ impl Established {
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
+            payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,
             _lease: DropLater::new(lease),

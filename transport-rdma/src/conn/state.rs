@@ -303,6 +303,11 @@ impl<B: Charged> SpareDestinations<B> {
         Some(buffer)
     }
 
+    /// Bytes of the spares kept.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// Keeps `buffer` (released by the application) for later.
     pub(super) fn keep(&mut self, buffer: B) {
         self.bytes += buffer.charge();
@@ -346,6 +351,9 @@ pub(super) struct Shared {
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
     pub(super) wake_task: Notify,
+    /// Payload buffers for frames going by rendezvous (frames at least
+    /// this long), if they go so to this peer.
+    pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
     /// The connection manager's event that ended the connection (set by
     /// the device's watcher, acted on by the driver).
     pub(super) ended_by_cm: OnceLock<String>,

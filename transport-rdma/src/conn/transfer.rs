@@ -14,10 +14,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::{BufMut, Bytes};
 use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
 
+use super::payloads::PayloadPool;
 use crate::proto::{
     announce_body_len, Announcement, FrameBytes, Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS,
 };
-use crate::verbs::{self, Access, MemoryRegion, ProtectionDomain, RegisteredBytes};
+use crate::verbs::{
+    self, Access, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair, RegisteredBytes,
+};
 
 /// `Bytes` of a frame at least this long are registered where they lie;
 /// shorter ones are copied. The same as [`GATHER_THRESHOLD`]: every
@@ -31,6 +34,9 @@ pub const REGISTER_IN_PLACE_MIN: usize = GATHER_THRESHOLD;
 /// application left them, and copied into registered memory first.
 static SENT_IN_PLACE: AtomicU64 = AtomicU64::new(0);
 static SENT_COPIED: AtomicU64 = AtomicU64::new(0);
+/// Bytes of rendezvous frames read out of payload buffers (through a
+/// memory window: neither copied nor registered for the call).
+static SENT_FROM_POOL: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of rendezvous frames this process has sent: `(in_place, copied)`.
 /// `in_place` were read by the peer straight out of the application's own
@@ -41,6 +47,14 @@ pub fn rendezvous_bytes_sent() -> (u64, u64) {
         SENT_IN_PLACE.load(Ordering::Relaxed),
         SENT_COPIED.load(Ordering::Relaxed),
     )
+}
+
+/// Bytes of rendezvous frames this process has sent out of payload
+/// buffers ([`rpc_core::PayloadBuffer`] from a connection's pool), read by
+/// the peer through a memory window: no copy and no registration per call.
+/// Also counted as sent in place by [`rendezvous_bytes_sent`].
+pub fn rendezvous_bytes_sent_from_pool() -> u64 {
+    SENT_FROM_POOL.load(Ordering::Relaxed)
 }
 
 /// `frame`'s bytes as [`Gather`] keeps them: each large `Bytes` by
@@ -63,6 +77,21 @@ pub(crate) struct OutgoingTransfer {
     _copied: Option<MemoryRegion>,
     /// Its large `Bytes`, registered where they lie.
     _in_place: Vec<RegisteredBytes>,
+    /// Its large `Bytes` that lie in payload buffers: read through windows
+    /// bound once the frame is queued ([`bind_windows`](Self::bind_windows)).
+    windows: Vec<WindowedPiece>,
+}
+
+/// A piece of a frame in a payload buffer, and the window the peer reads
+/// it through.
+struct WindowedPiece {
+    /// Dropped first: deallocating it ends the peer's access.
+    window: MemoryWindow,
+    /// The bytes announced (the piece less what went in the head); they
+    /// keep the buffer out of the pool until the window is gone.
+    bytes: Bytes,
+    /// The announcement's segment for them.
+    segment: usize,
 }
 
 impl OutgoingTransfer {
@@ -95,6 +124,7 @@ impl OutgoingTransfer {
             head: prefix.to_vec(),
             _copied: Some(mr),
             _in_place: Vec::new(),
+            windows: Vec::new(),
         })
     }
 
@@ -103,9 +133,12 @@ impl OutgoingTransfer {
     /// where it lies, small fields after one copied into a registration of
     /// their own. Copied whole into one registration instead when it has no
     /// large `Bytes`, or the announcement would not fit `room` bytes (the
-    /// peer's slot).
+    /// peer's slot). A large `Bytes` in a buffer of `pool` is not
+    /// registered: a window over it is bound before the announcement goes
+    /// ([`bind_windows`](Self::bind_windows)).
     pub(crate) fn gathered(
         pd: &ProtectionDomain,
+        pool: Option<&PayloadPool>,
         frame: &OutFrame<'_>,
         room: usize,
     ) -> Result<OutgoingTransfer, verbs::Error> {
@@ -151,6 +184,7 @@ impl OutgoingTransfer {
             head.extend_from_slice(piece);
         }
         let mut registered = Vec::new();
+        let mut windows = Vec::new();
         let mut listed: Vec<Segment> = Vec::with_capacity(segments);
         let (mut at, mut after_copied) = (0, false);
         for piece in rest {
@@ -159,14 +193,29 @@ impl OutgoingTransfer {
                 // the first large piece (it is far longer than that).
                 let skip = head_len - head.len();
                 head.extend_from_slice(&piece[..skip]);
-                let bytes = RegisteredBytes::new(pd, piece.clone())?;
-                let remote = bytes.remote();
-                listed.push(Segment {
-                    addr: remote.addr + skip as u64,
-                    rkey: remote.rkey,
-                    len: u32::try_from(piece.len() - skip).expect("a piece fits a frame"),
-                });
-                registered.push(bytes);
+                let len = u32::try_from(piece.len() - skip).expect("a piece fits a frame");
+                if pool.is_some_and(|pool| pool.holds(piece)) {
+                    windows.push(WindowedPiece {
+                        window: MemoryWindow::new(pd)?,
+                        bytes: piece.slice(skip..),
+                        segment: listed.len(),
+                    });
+                    // Where and under which key: once bound.
+                    listed.push(Segment {
+                        addr: 0,
+                        rkey: 0,
+                        len,
+                    });
+                } else {
+                    let bytes = RegisteredBytes::new(pd, piece.clone())?;
+                    let remote = bytes.remote();
+                    listed.push(Segment {
+                        addr: remote.addr + skip as u64,
+                        rkey: remote.rkey,
+                        len,
+                    });
+                    registered.push(bytes);
+                }
                 after_copied = false;
             } else {
                 let mr = copied.as_ref().expect("registered for the small pieces");
@@ -198,12 +247,36 @@ impl OutgoingTransfer {
         let copied_bytes = (head_len + copied_len) as u64;
         SENT_COPIED.fetch_add(copied_bytes, Ordering::Relaxed);
         SENT_IN_PLACE.fetch_add(frame.len() as u64 - copied_bytes, Ordering::Relaxed);
+        let from_pool: usize = windows.iter().map(|w| w.bytes.len()).sum();
+        SENT_FROM_POOL.fetch_add(from_pool as u64, Ordering::Relaxed);
         Ok(OutgoingTransfer {
             announcement,
             head,
             _copied: copied,
             _in_place: registered,
+            windows,
         })
+    }
+
+    /// Binds the window over each piece in a payload buffer on `qp`, and
+    /// puts where the peer reads it in the announcement. Call once the
+    /// frame is queued, before its announcement is encoded and posted: the
+    /// binds go first on the send queue.
+    pub(crate) fn bind_windows(
+        &mut self,
+        pool: Option<&PayloadPool>,
+        qp: &mut QueuePair,
+    ) -> Result<(), verbs::Error> {
+        for piece in &self.windows {
+            let pool = pool.expect("pieces in payload buffers come with their pool");
+            // SAFETY: the piece is of a frozen buffer (`Bytes`, immutable),
+            // and this transfer holds it and the window, dropping the
+            // window first.
+            let addr = unsafe { pool.bind(qp, &piece.window, &piece.bytes)? };
+            self.announcement
+                .bind_segment(piece.segment, addr, piece.window.bound_rkey());
+        }
+        Ok(())
     }
 
     /// What the peer is told: where the frame's bytes lie.

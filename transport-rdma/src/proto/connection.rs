@@ -61,6 +61,11 @@ pub enum WorkKind {
     /// An RDMA READ of a rendezvous transfer; `index` is the READ's
     /// sequence number (the low 32 bits), checked on completion.
     Read,
+    /// A memory window bound over one of our transfer's segments, posted
+    /// by the verbs layer ahead of the announcement, **unsignaled** (index
+    /// 0): the announcement's SEND completes after it, so its completion
+    /// comes only if it failed.
+    Bind,
 }
 
 impl WorkKind {
@@ -73,6 +78,7 @@ impl WorkKind {
             WorkKind::Write => 4,
             WorkKind::Heap => 5,
             WorkKind::Read => 6,
+            WorkKind::Bind => 7,
         };
         (tag << 32) | u64::from(index)
     }
@@ -86,6 +92,7 @@ impl WorkKind {
             4 => WorkKind::Write,
             5 => WorkKind::Heap,
             6 => WorkKind::Read,
+            7 => WorkKind::Bind,
             _ => return None,
         };
         Some((kind, wr_id as u32))
@@ -1402,8 +1409,8 @@ impl Connection {
             return;
         }
         let mut read = None;
-        let was_posted = if kind == WorkKind::Write {
-            // Unsignaled: a WRITE completes only if it failed.
+        let was_posted = if matches!(kind, WorkKind::Write | WorkKind::Bind) {
+            // Unsignaled: a WRITE or bind completes only if it failed.
             wc.failure.is_some()
         } else if kind == WorkKind::Read {
             // An RC send queue completes in posting order.
@@ -1430,7 +1437,7 @@ impl Connection {
             ));
             return;
         }
-        if !matches!(kind, WorkKind::Recv | WorkKind::Write) {
+        if !matches!(kind, WorkKind::Recv | WorkKind::Write | WorkKind::Bind) {
             self.in_flight = self.in_flight.saturating_sub(1);
             // Whoever waits for everything to be sent sees it.
             self.wake.senders |= self.in_flight == 0;
@@ -1454,7 +1461,7 @@ impl Connection {
             }
             WorkKind::Control => self.free_ctrl.push(index),
             WorkKind::Heap => self.free_heap.push(index),
-            WorkKind::Write => {}
+            WorkKind::Write | WorkKind::Bind => {}
             WorkKind::Read => {
                 let (transfer, len) = read.expect("a posted READ");
                 self.reads_completed += 1;
@@ -1479,8 +1486,8 @@ impl Connection {
             WorkKind::Send => index < self.data_slots,
             WorkKind::Control => ctrl.contains(&index),
             WorkKind::Heap => heap.contains(&index),
-            // Posted with index 0 (`push_write`'s request).
-            WorkKind::Write => index == 0,
+            // Posted with index 0 (`push_write`'s request, a bind).
+            WorkKind::Write | WorkKind::Bind => index == 0,
             // Any sequence number; checked against the READs posted.
             WorkKind::Read => true,
         }
@@ -1492,7 +1499,7 @@ impl Connection {
         let at = match kind {
             WorkKind::Recv => index,
             WorkKind::Send | WorkKind::Control | WorkKind::Heap => self.ring_slots + index,
-            WorkKind::Write | WorkKind::Read => return None,
+            WorkKind::Write | WorkKind::Read | WorkKind::Bind => return None,
         };
         self.posted.get_mut(at as usize)
     }
@@ -2235,6 +2242,31 @@ mod tests {
             .failure()
             .expect("a WRITE completion of index 7 was taken");
         assert!(failure.contains("out of range"), "{failure}");
+    }
+
+    #[test]
+    fn a_bind_completion_fails_the_connection_with_its_reason_or_as_unexpected() {
+        // Binds go unsignaled too, before an announcement's SEND.
+        let mut conn = connection();
+        complete(&mut conn, WorkKind::Bind.wr_id(0), &[]);
+        let failure = conn
+            .failure()
+            .expect("a successful bind completion was taken");
+        assert!(
+            failure.contains("Bind") && failure.contains("not posted"),
+            "{failure}"
+        );
+
+        let mut conn = connection();
+        conn.handle_completion(Completion {
+            wr_id: WorkKind::Bind.wr_id(0),
+            failure: Some("IBV_WC_MW_BIND_ERR (status 6)"),
+            byte_len: 0,
+            header: &[],
+        });
+        let failure = conn.failure().expect("a failed bind was taken");
+        assert!(failure.contains("MW_BIND_ERR"), "{failure}");
+        assert_eq!(conn.in_flight(), 0, "a bind is never counted in flight");
     }
 
     #[test]

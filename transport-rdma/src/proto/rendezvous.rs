@@ -129,6 +129,15 @@ impl Announcement {
         }
     }
 
+    /// Sets where segment `index` lies and under which key (the sender's
+    /// memory windows are bound after the announcement is built). Panics
+    /// if there is no such segment.
+    pub fn bind_segment(&mut self, index: usize, addr: u64, rkey: u32) {
+        let segment = &mut self.segments[..usize::from(self.count)][index];
+        segment.addr = addr;
+        segment.rkey = rkey;
+    }
+
     /// The segments, in the frame's order (after the head).
     pub fn segments(&self) -> &[Segment] {
         &self.segments[..self.count as usize]

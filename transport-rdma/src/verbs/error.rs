@@ -71,6 +71,9 @@ pub enum Error {
     /// `ibv_alloc_pd` failed.
     #[error("ibv_alloc_pd failed: {0}")]
     AllocPd(#[source] io::Error),
+    /// `ibv_alloc_mw` failed (EOPNOTSUPP: the device has no memory windows).
+    #[error("ibv_alloc_mw failed: {0}")]
+    AllocMw(#[source] io::Error),
     /// `ibv_create_cq` failed.
     #[error("ibv_create_cq failed: {0}")]
     CreateCq(#[source] io::Error),

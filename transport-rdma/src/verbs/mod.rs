@@ -45,6 +45,7 @@ mod cq;
 mod device;
 mod error;
 mod mr;
+mod mw;
 mod pd;
 mod qp;
 
@@ -60,6 +61,7 @@ pub use cq::{CompletionBatch, CompletionChannel, CompletionQueue, WorkCompletion
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
+pub use mw::MemoryWindow;
 pub use pd::ProtectionDomain;
 pub use qp::{QpCapabilities, QueuePair, SendBatch, SendPoster};
 

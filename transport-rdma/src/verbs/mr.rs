@@ -23,6 +23,9 @@ impl Access {
     pub const REMOTE_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0);
     /// The peer may RDMA READ from it.
     pub const REMOTE_READ: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
+    /// Memory windows may be bound to it ([`MemoryWindow`](super::MemoryWindow)):
+    /// remote access to a part of it, for as long as the window is bound.
+    pub const MW_BIND: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0);
 }
 
 impl std::ops::BitOr for Access {
@@ -293,6 +296,18 @@ impl MemoryRegion {
             length,
             lkey,
         })
+    }
+
+    /// The MR, its address as remote requests name its start, and the
+    /// buffer's own address: what a memory window is bound with. `None`
+    /// if not registered.
+    pub(crate) fn bind_target(&self) -> Option<(NonNull<ffi::ibv_mr>, u64, usize)> {
+        let registration = self.registration()?;
+        Some((
+            registration.raw,
+            registration.iova,
+            self.buf.as_ptr() as usize,
+        ))
     }
 
     fn check(&self, range: &Range<usize>) -> Result<()> {

@@ -11,8 +11,8 @@ use super::cq::CqInner;
 use super::pd::PdInner;
 use super::Result;
 use super::{
-    errno_error, last_os_error, CmId, CompletionQueue, Error, MemoryRegion, ProtectionDomain,
-    RemoteRegion, SharedCmId,
+    errno_error, last_os_error, CmId, CompletionQueue, Error, MemoryRegion, MemoryWindow,
+    ProtectionDomain, RemoteRegion, SharedCmId,
 };
 
 /// Queue sizes of a [`QueuePair`].
@@ -349,6 +349,81 @@ impl QueuePair {
             signaled,
         });
         Ok(())
+    }
+
+    /// Binds `window` to `mr[range]` for remote reads through the window's
+    /// [`bound_rkey`](MemoryWindow::bound_rkey) (`IBV_WR_BIND_MW`,
+    /// unsignaled: it completes only if it fails), posted at once, not
+    /// queued: a SEND posted after it reaches the peer after the bind took
+    /// effect (an RC send queue executes in order), so a peer told the rkey
+    /// in that SEND can read. The window is bound to this queue pair: only
+    /// its peer can use the rkey. Returns the address remote requests name
+    /// `mr[range.start]` by. A signaled request must follow, or the bind's
+    /// send-queue entry is never reclaimed.
+    ///
+    /// # Safety
+    /// `mr[range]` must not be written until `window` is dropped (the peer
+    /// may read it until then); `mr` must stay registered (it does: its
+    /// deregistration fails while a window is bound to it).
+    pub unsafe fn post_bind(
+        &mut self,
+        wr_id: u64,
+        window: &MemoryWindow,
+        mr: &MemoryRegion,
+        range: Range<usize>,
+    ) -> Result<u64> {
+        self.check_pd(mr)?;
+        if !Arc::ptr_eq(&self.pd, &window.pd) {
+            return Err(Error::ForeignMemoryRegion);
+        }
+        // Checks the range; the SGE's address is the buffer's own.
+        let sge = mr.sge(range.clone(), 0)?;
+        let (raw_mr, iova, buf) = mr
+            .bind_target()
+            .ok_or(Error::NotRegistered { len: sge.length })?;
+        let addr = iova + range.start as u64;
+        debug_assert_eq!(sge.addr, buf as u64 + range.start as u64);
+        let mut wr = ffi::ibv_send_wr {
+            wr_id,
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_BIND_MW,
+            send_flags: 0,
+            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t { imm_data: 0 },
+            wr: ffi::wr_t {
+                rdma: ffi::rdma_t {
+                    remote_addr: 0,
+                    rkey: 0,
+                },
+            },
+            qp_type: ffi::qp_type_t {
+                xrc: ffi::xrc_t { remote_srqn: 0 },
+            },
+            bind_mw_tso_union: ffi::bind_mw_tso_union_t {
+                bind_mw: ffi::bind_mw_t {
+                    mw: window.raw().as_ptr(),
+                    rkey: window.bound_rkey(),
+                    bind_info: ffi::ibv_mw_bind_info {
+                        mr: raw_mr.as_ptr(),
+                        addr,
+                        length: range.len() as u64,
+                        mw_access_flags: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                    },
+                },
+            },
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: the QP, window and MR are live and on one PD (checked);
+        // `wr` is valid for the call (the provider copies it); the range
+        // lies inside the MR (checked by `sge`), and the caller keeps it
+        // unwritten while the window lives.
+        let ret = unsafe { ffi::ibv_post_send(self.raw(), &mut wr, &mut bad) };
+        if ret == 0 {
+            Ok(addr)
+        } else {
+            Err(Error::PostSend(errno_error(ret)))
+        }
     }
 
     /// Posts every queued request, in order, linked
