@@ -521,6 +521,68 @@ async fn measure_push_throughput() {
     }
 }
 
+/// What payload buffers save a sender: one-way pushes by rendezvous where
+/// each frame's payload is written (copied from a prepared tensor, as an
+/// application produces its gradient) into a fresh heap `Vec` (registered
+/// where it lies for the transfer), against into a payload buffer from the
+/// connection's pool (reused, read through a memory window). Run with
+/// `RDV_MEASURE=1` (prints `@@fill` lines; `RDV_SIZES` as above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn measure_push_from_payload_buffers() {
+    if std::env::var_os("RDV_MEASURE").is_none() {
+        eprintln!("set RDV_MEASURE=1 to measure");
+        return;
+    }
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    let limits = FrameLimits {
+        max_frame_len: (64 << 20) + 4096,
+    };
+    let sizes: Vec<usize> = match std::env::var("RDV_SIZES") {
+        Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
+        Err(_) => vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
+    };
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
+    let (client, mut server) = env.pair(&cfg, limits).await;
+    for &size in &sizes {
+        let count = ((64 << 20) / size).clamp(8, 256);
+        let tensor = payload(size, size);
+        for pooled in [false, true, false, true] {
+            let sink = Arc::clone(&client.sink);
+            let tensor = tensor.clone();
+            let cpu_before = process_cpu();
+            let started = std::time::Instant::now();
+            let sender = tokio::spawn(async move {
+                for i in 0..count {
+                    let body = if pooled {
+                        let mut buffer = payload_buffer(&sink, size).await;
+                        buffer.copy_from_slice(&tensor);
+                        buffer.freeze()
+                    } else {
+                        Bytes::from(tensor.to_vec())
+                    };
+                    send(&sink, 1 + i as u64, &body).await.unwrap();
+                }
+            });
+            for _ in 0..count {
+                drop(recv(&mut server).await);
+            }
+            let took = started.elapsed();
+            sender.await.unwrap();
+            let cpu = process_cpu() - cpu_before;
+            let mbps = (count * size) as f64 / took.as_secs_f64() / 1e6;
+            let cpu_per_mb = cpu.as_secs_f64() * 1e6 / ((count * size) as f64 / 1e6);
+            let from = if pooled { "payload_buffer" } else { "heap_vec" };
+            println!(
+                "@@fill {from} {size} {count} {mbps:.1} MB/s, process CPU {cpu_per_mb:.0} us/MB"
+            );
+        }
+    }
+}
+
 /// What a rendezvous sender pays per frame, by payload size: registering
 /// the application's `Bytes` where they lie (and deregistering), against
 /// copying them into a fresh registration (what it did before), and a
@@ -583,6 +645,17 @@ async fn measure_register_in_place_against_copy() {
             "@@register {size} in_place_us {in_place:.1} head_registration_us {head:.1} copy_into_new_registration_us {copied:.1} memcpy_us {memcpy:.1}"
         );
     }
+}
+
+/// CPU time (user and system) this process has used.
+fn process_cpu() -> Duration {
+    // SAFETY: plain C struct, for which all-zero bytes are valid; the
+    // pointer is valid for the call.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) }, 0);
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    time(usage.ru_utime) + time(usage.ru_stime)
 }
 
 async fn payload_buffer(sink: &Arc<dyn FrameSink>, len: usize) -> rpc_core::PayloadBuffer {
