@@ -95,6 +95,21 @@
 //!   than a copy of it). Several transfers run at once per connection,
 //!   frames of other calls keep flowing while one is read, and a full pool
 //!   makes transfers wait.
+//! - **Payload buffers** ([`rpc_core::Channel::payload_buffer`]): on a
+//!   connection that sends by rendezvous, a buffer of at least the
+//!   threshold comes from the connection's pool
+//!   ([`RdmaTransport::payload_pool`]), registered once for local access
+//!   and memory-window binding only. The application writes its tensor
+//!   into it and freezes it into `Bytes`; a frame holding them is
+//!   announced through a type 2 memory window bound over just those bytes
+//!   on this connection's queue pair (the bind goes on the send queue
+//!   ahead of the announcement, so the window is valid when the peer
+//!   reads), and the window is deallocated at the transfer's end: the
+//!   device refuses the peer any access outside that window and that
+//!   time, and the pool's memory is never remotely writable. No copy and
+//!   no registration per call; a buffer whose last `Bytes` drops goes back
+//!   to the pool for the next one of its size; a full pool makes the next
+//!   buffer wait ([`rendezvous_bytes_sent_from_pool`] counts what went so).
 //! - **Zero copy**: `poll_send` encodes each frame straight into registered
 //!   memory (frames above half the peer's region are copied chunk by chunk
 //!   from their pieces; by rendezvous a payload is not copied at all).
@@ -147,7 +162,9 @@
 //! [`RdmaTransport::max_pinned_bytes`]; destinations kept for reuse count
 //! in it too), on the sending side the frames of up to 8 transfers in
 //! flight, their large `Bytes` pinned where they lie (not counted: the
-//! application chose to send them). Peers announcing more than
+//! application chose to send them), and the payload buffers it asked for
+//! (at most [`RdmaTransport::payload_pool`], 128 MiB by default, not
+//! counted by a listener's budget either). Peers announcing more than
 //! [`RdmaTransport::max_peer`] allows are refused.
 //!
 //! A listener admits a client only within its limits, checked from the

@@ -76,19 +76,28 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
         );
     }
     let (in_place, copied) = crate::rendezvous_bytes_sent();
-    stats.extend(rendezvous_stats(in_place, copied));
+    let from_pool = crate::rendezvous_bytes_sent_from_pool();
+    stats.extend(rendezvous_stats(in_place, copied, from_pool));
     stats
 }
 
 /// How this process's rendezvous frames left: `in_place` bytes read by
-/// the peer where the application left them, `copied` copied into
-/// registered memory first.
-fn rendezvous_stats(in_place: u64, copied: u64) -> [TransportStat; 2] {
-    [("in_place", in_place), ("copied", copied)].map(|(how, bytes)| {
+/// the peer where the application left them (registered for the
+/// transfer), `copied` copied into registered memory first, `from_pool`
+/// read out of payload buffers through a memory window.
+fn rendezvous_stats(in_place: u64, copied: u64, from_pool: u64) -> [TransportStat; 3] {
+    [
+        ("in_place", in_place),
+        ("copied", copied),
+        ("payload_buffer", from_pool),
+    ]
+    .map(|(how, bytes)| {
         TransportStat::counter(
             "rdma_rendezvous_sent_bytes",
             "Bytes of rendezvous frames sent, by how: read by the peer where the application \
-             left them (in_place), or copied into registered memory first (copied)",
+             left them, registered for the transfer (in_place), out of a payload buffer \
+             through a memory window (payload_buffer), or copied into registered memory \
+             first (copied)",
             bytes,
         )
         .with_label("how", how.to_string())
@@ -139,7 +148,7 @@ mod tests {
 
     #[test]
     fn rendezvous_bytes_are_counted_by_how_they_left() {
-        let stats = rendezvous_stats(10, 3);
+        let stats = rendezvous_stats(10, 3, 7);
         let by_how: Vec<_> = stats
             .iter()
             .map(|s| {
@@ -150,7 +159,10 @@ mod tests {
                 (s.labels[0].1.as_str(), s.value)
             })
             .collect();
-        assert_eq!(by_how, [("in_place", 10), ("copied", 3)]);
+        assert_eq!(
+            by_how,
+            [("in_place", 10), ("copied", 3), ("payload_buffer", 7)]
+        );
         assert!(transport_stats()
             .iter()
             .any(|s| s.name == "rdma_rendezvous_sent_bytes"));

@@ -710,6 +710,7 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
         // The last one goes as a slice of its buffer.
         let body = if i == 2 { body.slice(5..) } else { body };
         let from_pool_before = transport_rdma::rendezvous_bytes_sent_from_pool();
+        let (in_place_before, copied_before) = transport_rdma::rendezvous_bytes_sent();
         send(&client.sink, i as u64 + 1, &body).await.expect("sent");
         let got = recv(&mut server).await;
         assert!(got[HEAD_LEN..] == body[..], "frame {i} differs");
@@ -718,6 +719,12 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
             transport_rdma::rendezvous_bytes_sent_from_pool() - from_pool_before,
             (HEAD_LEN + body.len() - head) as u64,
             "frame {i}: all but the head read out of the payload buffer"
+        );
+        let (in_place, copied) = transport_rdma::rendezvous_bytes_sent();
+        assert_eq!(
+            (in_place - in_place_before, copied - copied_before),
+            (0, head as u64),
+            "frame {i}: nothing registered for the call, the head copied"
         );
         drop((got, body));
         // The peer's `Done` ends the transfer; then the buffer comes back.

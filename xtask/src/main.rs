@@ -75,7 +75,7 @@ fn demo() -> Result<(), String> {
     println!("== inference fan-out over TCP: 4 shards x 2 replicas, one replica 10x slower");
     fanout_demo(&bin, "tcp://127.0.0.1:0", 4, 1000, 50)?;
     println!("== parameter server over TCP: 2 shards, 4 workers, 8 keys of 1 MiB");
-    ps_demo(&bin, "tcp://127.0.0.1:0")?;
+    ps_demo(&bin, "tcp://127.0.0.1:0", None)?;
     println!("== greeter over RDMA (Soft-RoCE device rxe0 in a VM; on a host with an RDMA NIC run");
     println!(
         "   greeter-server --addr rdma://NIC_IP:PORT and greeter-client --addr rdma://NIC_IP:PORT)"
@@ -100,7 +100,10 @@ fn demo_in_guest() -> Result<(), String> {
     println!("== inference fan-out over RDMA: 2 shards x 2 replicas, one replica 10x slower, deadline 500 ms (emulated device)");
     fanout_demo(&bin, &format!("rdma://{ip}:0"), 2, 300, 500)?;
     println!("== parameter server over RDMA: 2 shards, 4 workers, 8 keys of 1 MiB");
-    ps_demo(&bin, &format!("rdma://{ip}:0"))
+    ps_demo(&bin, &format!("rdma://{ip}:0"), None)?;
+    println!("== parameter server over RDMA, tensors by rendezvous (RDMA_RPC_RENDEZVOUS=131072 on both sides),");
+    println!("   gradients written into payload buffers (registered memory the shard reads with no copy)");
+    ps_demo(&bin, &format!("rdma://{ip}:0"), Some("131072"))
 }
 
 /// How long the parameter-server demo may take, start to end: ~2 s on the
@@ -110,8 +113,11 @@ const PS_DEMO_TIMEOUT: Duration = Duration::from_secs(180);
 /// Starts two `ps-server` shards on `listen` (port 0: each picks one), runs
 /// `ps-worker` against them (4 workers, 8 keys of 1 MiB, one round: it
 /// checks every pulled tensor and prints push and pull GB/s), then stops the
-/// shards with SIGINT. Every wait is bounded by [`PS_DEMO_TIMEOUT`].
-fn ps_demo(bin: &Path, listen: &str) -> Result<(), String> {
+/// shards with SIGINT. Every wait is bounded by [`PS_DEMO_TIMEOUT`]. With a
+/// `rendezvous` threshold, both sides send tensors that large by
+/// rendezvous and the workers write gradients into payload buffers.
+fn ps_demo(bin: &Path, listen: &str, rendezvous: Option<&str>) -> Result<(), String> {
+    let rendezvous_env = rendezvous.map(|bytes| ("RDMA_RPC_RENDEZVOUS", bytes));
     let deadline = Instant::now() + PS_DEMO_TIMEOUT;
     let shards = 2;
     let mut servers = Vec::new();
@@ -119,6 +125,7 @@ fn ps_demo(bin: &Path, listen: &str) -> Result<(), String> {
     let mut outcome = Ok(());
     for shard in 0..shards {
         let started = Command::new(bin.join("ps-server"))
+            .envs(rendezvous_env)
             .args(["--addr", listen])
             .args([
                 "--shard",
@@ -162,8 +169,15 @@ fn ps_demo(bin: &Path, listen: &str) -> Result<(), String> {
         worker
             .args(["--addr", &addresses.join(",")])
             .args(["--workers", "4", "--keys", "8", "--size", "1048576"])
-            .args(["--rounds", "1", "--timeout-s", "60"]);
-        println!("-- ps-worker --workers 4 --keys 8 --size 1048576 --rounds 1");
+            .args(["--rounds", "1", "--timeout-s", "60"])
+            .envs(rendezvous_env);
+        let payload_buffers = if rendezvous.is_some() {
+            worker.arg("--payload-buffers");
+            " --payload-buffers"
+        } else {
+            ""
+        };
+        println!("-- ps-worker --workers 4 --keys 8 --size 1048576 --rounds 1{payload_buffers}");
         outcome = run_until(&mut worker, deadline);
     }
     for server in &servers {

@@ -21,6 +21,15 @@
 //! every worker has pulled, so no worker's check runs beside another's
 //! pulls) and exits 1 on any mismatch or failed call.
 //!
+//! `--payload-buffers` writes each gradient into memory taken from the
+//! connection it is pushed on ([`Channel::payload_buffer`]): over `rdma://`
+//! with the rendezvous on (`RDMA_RPC_RENDEZVOUS`), registered memory from
+//! the connection's pool, which the shard's NIC reads with no copy and no
+//! registration per push. A round's gradients for one shard must fit the
+//! pool (128 MiB per connection by default), as they are all made first.
+//!
+//! [`Channel::payload_buffer`]: rpc_core::Channel::payload_buffer
+//!
 //! `--warmup-rounds N` runs (and checks) N more rounds first, left out of
 //! the GB/s. `--lines` also prints one machine-readable line per measured
 //! round and phase, for `cargo xtask bench --ps`:
@@ -36,12 +45,13 @@ use examples::ps::parameter_server_client::ParameterServerClient;
 use examples::ps::{Key, PullRequest, PushRequest};
 use futures::future::try_join_all;
 use prost::bytes::Bytes;
-use rpc_core::{Code, Request, Status};
+use rpc_core::{Code, PayloadBuffer, Request, Status};
 use tokio::sync::Barrier;
 use tokio::time::Instant;
 
 const USAGE: &str = "usage: ps-worker --addr ADDR[,ADDR...] [--workers W] [--keys K] [--size BYTES]
-                 [--rounds R] [--warmup-rounds N] [--timeout-s S] [--lines]";
+                 [--rounds R] [--warmup-rounds N] [--timeout-s S] [--lines]
+                 [--payload-buffers]";
 
 /// Every call's timeout, unless `--timeout-s` says otherwise.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -57,6 +67,8 @@ struct Args {
     timeout: Duration,
     /// Print a machine-readable line per measured round and phase.
     lines: bool,
+    /// Write gradients into payload buffers of the connections they go on.
+    payload_buffers: bool,
 }
 
 fn usage() -> ! {
@@ -74,11 +86,16 @@ fn parse_args() -> Args {
         warmup_rounds: 0,
         timeout: DEFAULT_TIMEOUT,
         lines: false,
+        payload_buffers: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--lines" {
             args.lines = true;
+            continue;
+        }
+        if flag == "--payload-buffers" {
+            args.payload_buffers = true;
             continue;
         }
         let Some(value) = it.next() else { usage() };
@@ -125,18 +142,18 @@ fn round_sums(workers: usize) -> [f32; 64] {
     std::array::from_fn(|phase| (0..workers).map(|w| value_at(w, phase)).sum())
 }
 
-/// Worker `w`'s gradient for key `k` in round `r`, `bytes` long.
-fn gradient(w: usize, k: u64, r: u64, bytes: usize) -> Bytes {
-    Bytes::from(periodic(bytes, |i| gradient_value(w, k, r, i)))
+/// Fills `dst` with worker `w`'s gradient for key `k` in round `r`.
+fn gradient(w: usize, k: u64, r: u64, dst: &mut [u8]) {
+    periodic(dst, |i| gradient_value(w, k, r, i))
 }
 
-/// `bytes` of little-endian f32s whose element `i` is `value(i % 64)`: one
-/// period encoded, then copied (cheap even in a debug build).
-fn periodic(bytes: usize, value: impl Fn(usize) -> f32) -> Vec<u8> {
+/// Fills `dst` with little-endian f32s whose element `i` is `value(i % 64)`:
+/// one period encoded, then copied (cheap even in a debug build).
+fn periodic(dst: &mut [u8], value: impl Fn(usize) -> f32) {
     let period: Vec<u8> = (0..64).flat_map(|i| value(i).to_le_bytes()).collect();
-    let mut data = period.repeat(bytes.div_ceil(period.len()));
-    data.truncate(bytes);
-    data
+    for chunk in dst.chunks_mut(period.len()) {
+        chunk.copy_from_slice(&period[..chunk.len()]);
+    }
 }
 
 fn key(k: u64) -> Key {
@@ -236,9 +253,21 @@ impl Worker {
         let mut pushed_sums = vec![[0f32; 64]; args.keys as usize];
         let mut spans = Vec::new();
         for r in 0..args.warmup_rounds + args.rounds {
-            let gradients: Vec<Bytes> = (0..args.keys)
-                .map(|k| gradient(self.id, k, r, args.size))
-                .collect();
+            let mut gradients = Vec::with_capacity(args.keys as usize);
+            for k in 0..args.keys {
+                let mut buffer = if args.payload_buffers {
+                    let shard = self.shard_of(k);
+                    self.shards[shard]
+                        .channel()
+                        .payload_buffer(args.size)
+                        .await
+                        .map_err(|s| failed("a payload buffer", k, &args.shards[shard], s))?
+                } else {
+                    PayloadBuffer::heap(args.size)
+                };
+                gradient(self.id, k, r, &mut buffer);
+                gradients.push(buffer.freeze());
+            }
             barrier.wait().await;
             let push_started = Instant::now();
             let pushed = self.push_all(&args, &gradients).await;
@@ -270,7 +299,11 @@ impl Worker {
                 };
                 // Integers all: the order of the additions does not matter.
                 let expected = match &baseline[k] {
-                    None => periodic(args.size, |i| pushed_sum[i]),
+                    None => {
+                        let mut expected = vec![0; args.size];
+                        periodic(&mut expected, |i| pushed_sum[i]);
+                        expected
+                    }
                     Some(held) => held
                         .iter()
                         .enumerate()

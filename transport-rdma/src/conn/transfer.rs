@@ -40,7 +40,8 @@ static SENT_FROM_POOL: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of rendezvous frames this process has sent: `(in_place, copied)`.
 /// `in_place` were read by the peer straight out of the application's own
-/// `Bytes`; `copied` were copied into memory registered for the transfer
+/// `Bytes`, registered for the transfer (those in payload buffers are
+/// counted by [`rendezvous_bytes_sent_from_pool`] instead); `copied` were copied into memory registered for the transfer
 /// (frame heads and small fields, and frames not gathered).
 pub fn rendezvous_bytes_sent() -> (u64, u64) {
     (
@@ -52,7 +53,6 @@ pub fn rendezvous_bytes_sent() -> (u64, u64) {
 /// Bytes of rendezvous frames this process has sent out of payload
 /// buffers ([`rpc_core::PayloadBuffer`] from a connection's pool), read by
 /// the peer through a memory window: no copy and no registration per call.
-/// Also counted as sent in place by [`rendezvous_bytes_sent`].
 pub fn rendezvous_bytes_sent_from_pool() -> u64 {
     SENT_FROM_POOL.load(Ordering::Relaxed)
 }
@@ -246,9 +246,12 @@ impl OutgoingTransfer {
         );
         let copied_bytes = (head_len + copied_len) as u64;
         SENT_COPIED.fetch_add(copied_bytes, Ordering::Relaxed);
-        SENT_IN_PLACE.fetch_add(frame.len() as u64 - copied_bytes, Ordering::Relaxed);
-        let from_pool: usize = windows.iter().map(|w| w.bytes.len()).sum();
-        SENT_FROM_POOL.fetch_add(from_pool as u64, Ordering::Relaxed);
+        let from_pool = windows.iter().map(|w| w.bytes.len() as u64).sum::<u64>();
+        SENT_IN_PLACE.fetch_add(
+            frame.len() as u64 - copied_bytes - from_pool,
+            Ordering::Relaxed,
+        );
+        SENT_FROM_POOL.fetch_add(from_pool, Ordering::Relaxed);
         Ok(OutgoingTransfer {
             announcement,
             head,
