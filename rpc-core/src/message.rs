@@ -27,6 +27,18 @@ pub struct Request<T> {
     /// The client, in a handler.
     peer: Option<Arc<Peer>>,
     extensions: Extensions,
+    /// The connection the call came on, in a handler.
+    connection: Option<CallConnection>,
+}
+
+/// The connection a server's call came on (for its payload buffers).
+#[derive(Clone)]
+pub(crate) struct CallConnection(pub(crate) Arc<dyn crate::transport::FrameSink>);
+
+impl std::fmt::Debug for CallConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallConnection")
+    }
 }
 
 /// What a server knows of a request besides its message and metadata.
@@ -35,6 +47,7 @@ pub(crate) struct Received {
     pub(crate) deadline: Option<Instant>,
     pub(crate) peer: Arc<Peer>,
     pub(crate) extensions: Extensions,
+    pub(crate) connection: CallConnection,
 }
 
 /// When a call must be done by, and whether it may be sent again: what a
@@ -55,6 +68,7 @@ impl<T> Request<T> {
             options: CallOptions::default(),
             peer: None,
             extensions: Extensions::new(),
+            connection: None,
         }
     }
 
@@ -130,6 +144,21 @@ impl<T> Request<T> {
         self.peer.as_deref()
     }
 
+    /// In a handler, `len` zeroed bytes to write a response's large payload
+    /// into and send with no copy (see [`PayloadBuffer`](crate::PayloadBuffer)):
+    /// memory of the connection the call came on (over `rdma://`, from its
+    /// pool of registered memory, waiting while that is full). On a
+    /// client's request, heap memory: use
+    /// [`Channel::payload_buffer`](crate::Channel::payload_buffer) there.
+    pub async fn payload_buffer(&self, len: usize) -> Result<crate::PayloadBuffer, Status> {
+        let Some(CallConnection(sink)) = &self.connection else {
+            return Ok(crate::PayloadBuffer::heap(len));
+        };
+        std::future::poll_fn(|cx| sink.poll_payload_buffer(cx, len))
+            .await
+            .map_err(|e| Status::unavailable(format!("a payload buffer: {e}")))
+    }
+
     /// Values interceptors set for the handler (see [`crate::intercept`]).
     pub fn extensions(&self) -> &Extensions {
         &self.extensions
@@ -153,6 +182,7 @@ impl<T> Request<T> {
             },
             peer: Some(received.peer),
             extensions: received.extensions,
+            connection: Some(received.connection),
         }
     }
 

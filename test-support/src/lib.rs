@@ -131,6 +131,15 @@ impl Service for TestService {
                     Ok(response)
                 })
             }
+            // The request echoed from a payload buffer of the call's
+            // connection.
+            "EchoInPayloadBuffer" => {
+                codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
+                    let mut buffer = request.payload_buffer(request.get_ref().len()).await?;
+                    buffer.copy_from_slice(request.get_ref());
+                    Ok(Response::new(buffer.freeze()))
+                })
+            }
             "Peer" => {
                 codegen::unary::<BytesCodec, _, _>(call, |request: Request<Bytes>| async move {
                     let peer = request.peer().map(|p| p.address().to_string());

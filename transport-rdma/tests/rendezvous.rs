@@ -765,3 +765,51 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
         from_pool_before
     );
 }
+
+/// Payload buffers through the RPC layer: a client's request written into
+/// one from its `Channel`, echoed by a handler from one of the call's
+/// connection (`Request::payload_buffer`): both go by rendezvous out of
+/// the pools, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn calls_send_payload_buffers_both_ways() {
+    use rpc_core::{BytesCodec, Client, Request};
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return;
+    }
+    rpc_core::transport::register(Arc::new(
+        RdmaTransport::default().rendezvous_threshold(Some(64 << 10)),
+    ));
+    let server = rpc_test_support::TestServer::start(&env.local_listen(), |b| b).await;
+    let channel = rpc_core::Channel::connect(&server.address)
+        .await
+        .expect("connects");
+    let client = Client::new(channel.clone());
+    for len in [100, 1 << 20, (4 << 20) + 3] {
+        let want = payload(len, len);
+        let mut buffer = channel.payload_buffer(len).await.expect("a buffer");
+        buffer.copy_from_slice(&want);
+        let from_pool_before = transport_rdma::rendezvous_bytes_sent_from_pool();
+        let echoed = client
+            .unary::<BytesCodec>(
+                "/test.Test/EchoInPayloadBuffer",
+                Request::new(buffer.freeze()),
+            )
+            .await
+            .expect("echoed")
+            .into_inner();
+        assert!(echoed == want, "{len} bytes echoed differ");
+        let from_pool = transport_rdma::rendezvous_bytes_sent_from_pool() - from_pool_before;
+        if len >= 64 << 10 {
+            // Each way all but the frame's head (at most 32 bytes).
+            assert!(
+                from_pool >= 2 * (len as u64 - 32),
+                "{len} bytes: {from_pool} sent from payload buffers, not both ways"
+            );
+        } else {
+            assert_eq!(from_pool, 0, "{len} bytes: heap memory below the threshold");
+        }
+    }
+    server.stop().await;
+}

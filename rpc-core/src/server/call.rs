@@ -56,6 +56,7 @@ impl ServerCall {
             deadline: self.deadline,
             peer: Arc::clone(self.conn.peer_info()),
             extensions: std::mem::take(&mut self.extensions),
+            connection: crate::message::CallConnection(Arc::clone(&self.conn.sink)),
         }
     }
 
