@@ -144,7 +144,7 @@ impl<T> Request<T> {
         self.peer.as_deref()
     }
 
-    /// In a handler, `len` zeroed bytes to write a response's large payload
+    /// In a handler, `len` bytes to write a response's large payload
     /// into and send with no copy (see [`PayloadBuffer`](crate::PayloadBuffer)):
     /// memory of the connection the call came on (over `rdma://`, from its
     /// pool of registered memory, waiting while that is full). On a

@@ -27,8 +27,11 @@ use bytes::Bytes;
 /// # }
 /// ```
 ///
-/// Its bytes start zeroed. Dropping it unfrozen, or dropping the last
-/// `Bytes` of it, gives the memory back to the transport's pool.
+/// Its bytes are initialized but not necessarily zero: a transport may hand
+/// out memory a previous payload of the connection used (so that nothing
+/// touches a tensor's bytes twice); write all of it. Dropping it unfrozen,
+/// or dropping the last `Bytes` of it, gives the memory back to the
+/// transport's pool.
 pub struct PayloadBuffer {
     memory: Box<dyn PayloadMemory>,
 }

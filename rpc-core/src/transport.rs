@@ -168,7 +168,7 @@ pub trait FrameSink: Send + Sync + 'static {
         Poll::Ready(())
     }
 
-    /// `len` zeroed bytes of memory this connection sends from with no
+    /// `len` bytes of memory this connection sends from with no
     /// copy (see [`PayloadBuffer`](crate::PayloadBuffer)), or `Pending`
     /// while the transport's pool for them is full (it wakes `cx` when
     /// one is given back). The default hands out heap memory at once.

@@ -106,7 +106,10 @@
 //!   ahead of the announcement, so the window is valid when the peer
 //!   reads), and the window is deallocated at the transfer's end: the
 //!   device refuses the peer any access outside that window and that
-//!   time, and the pool's memory is never remotely writable. No copy and
+//!   time (Soft-RoCE checks a window's reads against its buffer's whole
+//!   registration, one buffer, rather than the window:
+//!   `tests/bad_peer.rs`), and the pool's memory is never remotely
+//!   writable. No copy and
 //!   no registration per call; a buffer whose last `Bytes` drops goes back
 //!   to the pool for the next one of its size; a full pool makes the next
 //!   buffer wait ([`rendezvous_bytes_sent_from_pool`] counts what went so).

@@ -338,3 +338,179 @@ async fn a_peer_with_no_receive_posted_fails_the_connection_naming_the_rnr() {
         "failed for another reason: {error}"
     );
 }
+
+/// A raw client that reads rendezvous transfers: hello, 8 posted receives
+/// of 1 KiB (room for an announcement), a 1 MiB buffer to READ into.
+struct RawReader {
+    _id: CmId,
+    cq: CompletionQueue,
+    qp: QueuePair,
+    recv: MemoryRegion,
+    read_into: MemoryRegion,
+    send: MemoryRegion,
+}
+
+const RAW_SLOT: usize = 1024;
+
+fn raw_reader(server: SocketAddr) -> Result<RawReader, String> {
+    let e = |e: transport_rdma::verbs::Error| e.to_string();
+    let channel = EventChannel::new().map_err(e)?;
+    let mut id = CmId::new(&channel).map_err(e)?;
+    id.resolve(server, STEP).map_err(e)?;
+    let pd = ProtectionDomain::new(&id).map_err(e)?;
+    let cq = CompletionQueue::new(&id, 64).map_err(e)?;
+    let mut qp = QueuePair::new(&mut id, &pd, &cq, &cq, QpCapabilities::default()).map_err(e)?;
+    let recv = MemoryRegion::new(&pd, 8 * RAW_SLOT, Access::LOCAL_WRITE).map_err(e)?;
+    for i in 0..8 {
+        // SAFETY: `recv` is returned with the QP and outlives it; nothing
+        // reads a slot before its completion.
+        unsafe { qp.post_recv(i, &recv, i as usize * RAW_SLOT..(i as usize + 1) * RAW_SLOT) }
+            .map_err(e)?;
+    }
+    let hello = Hello {
+        ring_slots: 8,
+        initial_slots: 8,
+        slot_size: RAW_SLOT as u32,
+        region_len: 4096,
+        reads_rendezvous: true,
+    };
+    id.connect(&hello.to_bytes(), STEP).map_err(e)?;
+    Ok(RawReader {
+        _id: id,
+        cq,
+        qp,
+        recv,
+        read_into: MemoryRegion::new(&pd, 1 << 20, Access::LOCAL_WRITE).map_err(e)?,
+        send: MemoryRegion::new(&pd, 256, Access::LOCAL_WRITE).map_err(e)?,
+    })
+}
+
+impl RawReader {
+    /// Waits for the next message; returns its header and body.
+    fn receive(&mut self) -> Result<(Header, Vec<u8>), String> {
+        let wc = self.cq.wait(STEP).map_err(|e| e.to_string())?;
+        let slot = wc.wr_id as usize;
+        let msg = self.recv.read_at(slot * RAW_SLOT, wc.byte_len as usize);
+        let header = Header::decode(&msg, msg.len()).map_err(|e| e.to_string())?;
+        Ok((header, msg[transport_rdma::proto::HEADER_LEN..].to_vec()))
+    }
+
+    /// RDMA READs `len` bytes at `addr` under `rkey`; the bytes, or the
+    /// completion's error.
+    fn read(&mut self, addr: u64, rkey: u32, len: usize) -> Result<Vec<u8>, String> {
+        // SAFETY: `read_into` lives with the QP; nothing reads it before the
+        // completion is polled just below.
+        unsafe { self.qp.queue_read(500, &self.read_into, 0..len, addr, rkey) }
+            .map_err(|e| e.to_string())?;
+        self.qp.post_queued().map_err(|e| e.to_string())?;
+        self.completion_of(500)?;
+        Ok(self.read_into.read_at(0, len))
+    }
+
+    /// SENDs `message`, waits for its completion.
+    fn send(&mut self, message: &[u8]) -> Result<(), String> {
+        self.send.write_at(0, message);
+        // SAFETY: `send` lives with the QP; the completion is awaited.
+        unsafe { self.qp.post_send(600, &self.send, 0..message.len()) }
+            .map_err(|e| e.to_string())?;
+        self.completion_of(600)
+    }
+
+    /// Waits for request `wr_id`'s completion, past the server's messages
+    /// (received into the slots, not looked at).
+    fn completion_of(&mut self, wr_id: u64) -> Result<(), String> {
+        loop {
+            let wc = self.cq.wait(STEP).map_err(|e| e.to_string())?;
+            if wc.wr_id == wr_id {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// A frame sent out of a payload buffer is readable, through the window
+/// its announcement names, only while its transfer runs and only within
+/// its buffer: a peer that READs again after its `Done`, or across the
+/// buffer's end, is refused by the device (`REM_ACCESS_ERR`). (Within the
+/// buffer, past the frame's end, Soft-RoCE lets the READ through: it
+/// checks a window's reads against the region the window is bound to, one
+/// buffer, not against the window itself (`check_rkey` in `rxe_resp.c`);
+/// devices that implement windows as the specification says limit them to
+/// the window.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_payload_buffers_window_ends_with_its_transfer_and_its_bytes() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
+    let addr: SocketAddr = target.parse().unwrap();
+    for read_past_the_end in [false, true] {
+        let client = tokio::task::spawn_blocking(move || raw_reader(addr));
+        let conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+            .await
+            .expect("accepts in time")
+            .expect("accepts");
+        let mut raw = client.await.unwrap().expect("the raw client connects");
+        let mut buffer = poll_fn(|cx| conn.sink.poll_payload_buffer(cx, 256 << 10))
+            .await
+            .expect("a payload buffer");
+        for (i, b) in buffer.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        // Half the buffer: its other half stays registered, unannounced.
+        let body = buffer.freeze().slice(..128 << 10);
+        let frame = OutFrame::new(1, OutBody::Message, Some(&body), false).unwrap();
+        conn.sink.send(&frame).await.expect("announced");
+        let (error, raw) = tokio::task::spawn_blocking(move || {
+            let (header, announced) = raw.receive().expect("the announcement");
+            assert_eq!(header.kind, Kind::Announce);
+            let announcement = Announcement::decode(&announced, announced.len())
+                .expect("a well-formed announcement");
+            let [segment] = announcement.segments() else {
+                panic!("one segment: {announcement:?}")
+            };
+            let len = segment.len as usize;
+            let read = raw
+                .read(segment.addr, segment.rkey, len)
+                .expect("the announced segment is readable");
+            assert!(
+                read[..] == body[body.len() - len..],
+                "the segment holds the frame's last bytes"
+            );
+            let denied = if read_past_the_end {
+                // From the frame's last page over the buffer's end.
+                let buffer_end = segment.addr + len as u64 + (128 << 10);
+                raw.read(buffer_end - 4096, segment.rkey, 8192)
+            } else {
+                let mut done = Header::new(Kind::Done);
+                done.pos = header.pos;
+                raw.send(&done.to_bytes()).expect("Done sent");
+                // The server ends the transfer when it handles the `Done`.
+                let deadline = std::time::Instant::now() + STEP;
+                while !transport_rdma::debug_dump().contains("rendezvous out 0 ") {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the transfer never ended"
+                    );
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                raw.read(segment.addr, segment.rkey, len)
+            };
+            let error = match denied {
+                Err(error) => error,
+                Ok(_) => {
+                    panic!("the device let the READ through (past the end: {read_past_the_end})")
+                }
+            };
+            (error, raw)
+        })
+        .await
+        .unwrap();
+        eprintln!("read_past_the_end {read_past_the_end}: {error}");
+        assert!(
+            error.contains("REM_ACCESS_ERR") || error.contains("remote access error"),
+            "{error}"
+        );
+        drop((raw, conn));
+    }
+}

@@ -195,7 +195,7 @@ impl Channel {
         }
     }
 
-    /// `len` zeroed bytes to fill with a large payload and send with no
+    /// `len` bytes to fill with a large payload and send with no
     /// copy (see [`PayloadBuffer`](crate::PayloadBuffer)): memory of the
     /// connection the next call would take (connecting first if none is
     /// up). Over `rdma://` it comes from that connection's bounded pool of

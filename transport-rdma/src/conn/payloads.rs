@@ -77,7 +77,7 @@ impl PayloadPool {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A zeroed buffer of `len` bytes, or `Pending` while the pool has no
+    /// A buffer of `len` bytes, or `Pending` while the pool has no
     /// room for it (woken when a buffer is given back). A buffer larger
     /// than the whole budget is refused.
     pub(crate) fn poll_buffer(
@@ -95,12 +95,8 @@ impl PayloadPool {
             ))));
         }
         let memory = match pool.spares.take(len.max(1)) {
-            Some(spare) => {
-                // SAFETY: a spare: given back, no window over it and no
-                // slice of it lives.
-                unsafe { spare.0.slice_mut(0..spare.0.len()) }.fill(0);
-                spare
-            }
+            // Not zeroed again: the application writes all of it.
+            Some(spare) => spare,
             None => {
                 let in_use = pool.in_use;
                 let budget = pool.budget;
