@@ -1099,6 +1099,32 @@ pub async fn handlers_see_the_clients_address(listen: String, _profile: &Profile
     server.stop().await;
 }
 
+/// A request written into a payload buffer of the client's channel, echoed
+/// from one the handler takes of its call's connection: byte-exact, at
+/// every size the profile lists (over `rdma://` with the rendezvous off,
+/// the default, both are heap memory; `transport-rdma/tests/rendezvous.rs`
+/// runs it with registered memory).
+pub async fn payload_buffers_carry_requests_and_responses(listen: String, profile: &Profile) {
+    let server = TestServer::start(&listen, |b| b).await;
+    let channel = Channel::connect(&server.address).await.expect("connects");
+    let client = Client::new(channel.clone());
+    for &len in &profile.payload_sizes {
+        let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let mut buffer = channel.payload_buffer(len).await.expect("a payload buffer");
+        buffer.copy_from_slice(&want);
+        let echoed = client
+            .unary::<BytesCodec>(
+                "/test.Test/EchoInPayloadBuffer",
+                Request::new(buffer.freeze()),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{len} bytes: {e}"))
+            .into_inner();
+        assert!(echoed == want, "{len} bytes came back different");
+    }
+    server.stop().await;
+}
+
 /// Calls `$runner!(case, case, ...)` with the name of every case in this
 /// module: the one list of shared cases. A suite's runner macro turns each
 /// name into a test over its transport (see the crate docs).
@@ -1134,6 +1160,7 @@ macro_rules! for_each_case {
             fan_out_under_a_deadline_returns_partial_results_and_cancels_stragglers,
             a_balanced_channel_moves_on_from_a_dead_replica,
             handlers_see_the_clients_address,
+            payload_buffers_carry_requests_and_responses,
         );
     };
 }

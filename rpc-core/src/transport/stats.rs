@@ -290,6 +290,17 @@ mod tests {
         }
 
         fn close(&self) {}
+
+        /// Memory of its own: bytes of 0xab.
+        fn poll_payload_buffer(
+            &self,
+            _cx: &mut Context<'_>,
+            len: usize,
+        ) -> Poll<Result<crate::PayloadBuffer, TransportError>> {
+            let mut buffer = crate::PayloadBuffer::heap(len);
+            buffer.fill(0xab);
+            Poll::Ready(Ok(buffer))
+        }
     }
 
     fn stats(scheme: &str, side: Side) -> ConnectionStats {
@@ -315,6 +326,22 @@ mod tests {
                 .iter()
                 .any(|s| s.scheme == "stall-test" && s.side == Side::Client),
             "a side with no connection has no counters"
+        );
+    }
+
+    #[test]
+    fn payload_buffers_come_from_the_counted_sink() {
+        let counters = ConnectionCounters::of("buffer-test", Side::Client);
+        let sink = counters.count_stalls(Arc::new(Room(0.into())));
+        let waker = std::task::Waker::noop();
+        let Poll::Ready(Ok(buffer)) = sink.poll_payload_buffer(&mut Context::from_waker(waker), 3)
+        else {
+            panic!("a buffer at once")
+        };
+        assert_eq!(
+            &buffer[..],
+            &[0xab; 3],
+            "the transport's memory, not the default"
         );
     }
 
