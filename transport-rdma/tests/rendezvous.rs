@@ -491,20 +491,10 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn measure_push_throughput() {
-    if std::env::var_os("RDV_MEASURE").is_none() {
-        eprintln!("set RDV_MEASURE=1 to measure");
+    let Some((env, limits, sizes)) =
+        measuring(&[64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20])
+    else {
         return;
-    }
-    let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
-    let limits = FrameLimits {
-        max_frame_len: (64 << 20) + 4096,
-    };
-    let sizes: Vec<usize> = match std::env::var("RDV_SIZES") {
-        Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
-        Err(_) => vec![64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20],
     };
     for (name, threshold) in [("region", None), ("rendezvous", Some(4096))] {
         let cfg = RdmaTransport::default().rendezvous_threshold(threshold);
@@ -533,6 +523,28 @@ async fn measure_push_throughput() {
     }
 }
 
+/// For a one-host measurement run with `RDV_MEASURE=1`: the test's
+/// environment, limits admitting 64 MiB frames, and the sizes to measure
+/// (`RDV_SIZES`, comma-separated, or `default`); `None` otherwise.
+fn measuring(default: &[usize]) -> Option<(TestEnv, FrameLimits, Vec<usize>)> {
+    if std::env::var_os("RDV_MEASURE").is_none() {
+        eprintln!("set RDV_MEASURE=1 to measure");
+        return None;
+    }
+    let env = TestEnv::from_env();
+    if skip_unless_both(&env) {
+        return None;
+    }
+    let limits = FrameLimits {
+        max_frame_len: (64 << 20) + 4096,
+    };
+    let sizes = match std::env::var("RDV_SIZES") {
+        Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
+        Err(_) => default.to_vec(),
+    };
+    Some((env, limits, sizes))
+}
+
 /// What payload buffers save a sender: one-way pushes by rendezvous where
 /// each frame's payload is written (copied from a prepared tensor, as an
 /// application produces its gradient) into a fresh heap `Vec` (registered
@@ -542,20 +554,8 @@ async fn measure_push_throughput() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn measure_push_from_payload_buffers() {
-    if std::env::var_os("RDV_MEASURE").is_none() {
-        eprintln!("set RDV_MEASURE=1 to measure");
+    let Some((env, limits, sizes)) = measuring(&[256 << 10, 1 << 20, 4 << 20, 16 << 20]) else {
         return;
-    }
-    let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
-    let limits = FrameLimits {
-        max_frame_len: (64 << 20) + 4096,
-    };
-    let sizes: Vec<usize> = match std::env::var("RDV_SIZES") {
-        Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
-        Err(_) => vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
     };
     let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let (client, mut server) = env.pair(&cfg, limits).await;
