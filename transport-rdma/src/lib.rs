@@ -113,6 +113,8 @@
 //!   no registration per call; a buffer whose last `Bytes` drops goes back
 //!   to the pool for the next one of its size; a full pool makes the next
 //!   buffer wait ([`rendezvous_bytes_sent_from_pool`] counts what went so).
+//!   A device that allocates no memory windows gets payload buffers
+//!   registered per transfer instead, as any `Bytes` (logged once).
 //! - **Zero copy**: `poll_send` encodes each frame straight into registered
 //!   memory (frames above half the peer's region are copied chunk by chunk
 //!   from their pieces; by rendezvous a payload is not copied at all).

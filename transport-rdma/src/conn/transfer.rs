@@ -57,6 +57,22 @@ pub fn rendezvous_bytes_sent_from_pool() -> u64 {
     SENT_FROM_POOL.load(Ordering::Relaxed)
 }
 
+/// A memory window on `pd`, or `None` (logged once per process) if the
+/// device has none to give.
+fn window_or_log(pd: &ProtectionDomain) -> Option<MemoryWindow> {
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    MemoryWindow::new(pd)
+        .inspect_err(|e| {
+            LOGGED.call_once(|| {
+                tracing::warn!(
+                    "payload buffers are registered per transfer instead of read through a \
+                     memory window: {e}"
+                )
+            })
+        })
+        .ok()
+}
+
 /// `frame`'s bytes as [`Gather`] keeps them: each large `Bytes` by
 /// reference, the small bytes between them copied.
 pub(crate) fn pieces(frame: &OutFrame<'_>) -> FrameBytes {
@@ -194,9 +210,14 @@ impl OutgoingTransfer {
                 let skip = head_len - head.len();
                 head.extend_from_slice(&piece[..skip]);
                 let len = u32::try_from(piece.len() - skip).expect("a piece fits a frame");
-                if pool.is_some_and(|pool| pool.holds(piece)) {
+                // A device without memory windows reads payload buffers
+                // as any `Bytes`: registered for the transfer.
+                let window = pool
+                    .filter(|pool| pool.holds(piece))
+                    .and_then(|_| window_or_log(pd));
+                if let Some(window) = window {
                     windows.push(WindowedPiece {
-                        window: MemoryWindow::new(pd)?,
+                        window,
                         bytes: piece.slice(skip..),
                         segment: listed.len(),
                     });
