@@ -243,6 +243,8 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
     const IDLE: Duration = Duration::from_millis(300);
     // Fits a slot (8 KiB), too long to go inline (256 B): each way.
     const SLOT_FRAME: usize = 4000;
+    /// Both ends' receive rings doubled once (8 more slots of 8 KiB each).
+    const RING_GROWTH: u64 = 2 * 8 * 8192;
     // Too large for a slot: the client's staging, the server's region.
     const REGION_FRAME: usize = 200 << 10;
     let env = TestEnv::from_env();
@@ -319,10 +321,15 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
             }
         }
         round(&mut client).await;
-        assert_eq!(
-            registered_bytes(),
-            busy,
-            "the second round registers the same again (or keeps it)"
+        // The same again (or kept); a receive ring may have grown meanwhile
+        // (it doubles, 8 to 16 slots of 8 KiB, when its peer finds half of
+        // it consumed: how fast each end reads decides, seen once in a
+        // two-guest run).
+        let again = registered_bytes();
+        assert!(
+            (busy..=busy + RING_GROWTH).contains(&again),
+            "the second round registered {again} bytes, the first {busy}: expected the same \
+             again, or a ring's growth ({RING_GROWTH} bytes) more"
         );
         drop(client);
         serving.await.expect("the server's end");
