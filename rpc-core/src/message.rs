@@ -154,7 +154,7 @@ impl<T> Request<T> {
         let Some(CallConnection(sink)) = &self.connection else {
             return Ok(crate::PayloadBuffer::heap(len));
         };
-        std::future::poll_fn(|cx| sink.poll_payload_buffer(cx, len))
+        sink.payload_buffer(len)
             .await
             .map_err(|e| Status::unavailable(format!("a payload buffer: {e}")))
     }

@@ -221,6 +221,13 @@ impl dyn FrameSink {
         std::future::poll_fn(|cx| cooperatively(cx, |cx| self.poll_send(cx, frame))).await
     }
 
+    /// `len` bytes of memory this connection sends from with no copy
+    /// ([`poll_payload_buffer`](FrameSink::poll_payload_buffer)), waiting
+    /// while the transport's pool for them is full.
+    pub async fn payload_buffer(&self, len: usize) -> Result<crate::PayloadBuffer, TransportError> {
+        std::future::poll_fn(|cx| self.poll_payload_buffer(cx, len)).await
+    }
+
     /// Sends `frame` only if the transport takes it at once; `Ok(false)`
     /// when it has no room. For the control frames a connection's reader
     /// sends (pings, pongs, goaways): a reader that waited for room could

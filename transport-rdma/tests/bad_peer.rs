@@ -451,7 +451,9 @@ async fn a_payload_buffers_window_ends_with_its_transfer_and_its_bytes() {
             .expect("accepts in time")
             .expect("accepts");
         let mut raw = client.await.unwrap().expect("the raw client connects");
-        let mut buffer = poll_fn(|cx| conn.sink.poll_payload_buffer(cx, 256 << 10))
+        let mut buffer = conn
+            .sink
+            .payload_buffer(256 << 10)
             .await
             .expect("a payload buffer");
         for (i, b) in buffer.iter_mut().enumerate() {

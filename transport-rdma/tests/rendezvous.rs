@@ -671,13 +671,10 @@ fn process_cpu() -> Duration {
 }
 
 async fn payload_buffer(sink: &Arc<dyn FrameSink>, len: usize) -> rpc_core::PayloadBuffer {
-    tokio::time::timeout(
-        STEP,
-        std::future::poll_fn(|cx| sink.poll_payload_buffer(cx, len)),
-    )
-    .await
-    .expect("a payload buffer in time")
-    .expect("a payload buffer")
+    tokio::time::timeout(STEP, sink.payload_buffer(len))
+        .await
+        .expect("a payload buffer in time")
+        .expect("a payload buffer")
 }
 
 /// Buffers from the connection's payload pool are read by the peer through
@@ -760,7 +757,7 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
     assert_eq!(got, 1 << 20);
     drop(small);
 
-    let refused = std::future::poll_fn(|cx| client.sink.poll_payload_buffer(cx, 4 << 20)).await;
+    let refused = client.sink.payload_buffer(4 << 20).await;
     let error = refused.expect_err("a buffer larger than the pool is refused");
     assert!(error.to_string().contains("payload_pool"), "{error}");
 

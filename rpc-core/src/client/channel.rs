@@ -204,11 +204,9 @@ impl Channel {
     /// copy, registered where it lies as any `Bytes` is.
     pub async fn payload_buffer(&self, len: usize) -> Result<crate::PayloadBuffer, Status> {
         let picked = self.pick(None).await?;
-        std::future::poll_fn(|cx| picked.conn.sink.poll_payload_buffer(cx, len))
-            .await
-            .map_err(|e| {
-                Status::unavailable(format!("a payload buffer from {}: {e}", picked.conn.peer))
-            })
+        picked.conn.sink.payload_buffer(len).await.map_err(|e| {
+            Status::unavailable(format!("a payload buffer from {}: {e}", picked.conn.peer))
+        })
     }
 
     /// Whether replica `replica` is marked serving (see [`set_serving`](Self::set_serving)).

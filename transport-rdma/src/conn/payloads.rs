@@ -22,7 +22,9 @@ use rpc_core::{PayloadBuffer, PayloadMemory};
 
 use super::state::{Charged, SpareDestinations};
 use crate::proto::{pool_charge, WorkKind};
-use crate::verbs::{self, Access, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair};
+use crate::verbs::{
+    self, Access, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair, RemoteRegion,
+};
 
 /// A connection's pool of payload buffers.
 #[derive(Clone)]
@@ -135,7 +137,7 @@ impl PayloadPool {
     }
 
     /// Binds `window` over `bytes` (in a buffer of this pool) for the peer
-    /// of `qp` to read; returns the address the peer reads them at.
+    /// of `qp` to read; returns where and under which key the peer reads them.
     ///
     /// # Safety
     /// `bytes` must be of a frozen buffer ([`PayloadBuffer::freeze`]: never
@@ -145,7 +147,7 @@ impl PayloadPool {
         qp: &mut QueuePair,
         window: &MemoryWindow,
         bytes: &[u8],
-    ) -> Result<u64, verbs::Error> {
+    ) -> Result<RemoteRegion, verbs::Error> {
         let pool = self.lock();
         let (memory, range) = pool.find(bytes).ok_or(verbs::Error::NotRegistered {
             len: bytes.len() as u32,

@@ -96,8 +96,13 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     let pd = ProtectionDomain::new(id)?;
     let cc = CompletionChannel::new(id)?;
     // Unsignaled binds of memory windows precede the announcements of our
-    // transfers, each at most `MAX_SEGMENTS`.
-    let binds = crate::RENDEZVOUS_MAX_OUTGOING * crate::proto::MAX_SEGMENTS as u32;
+    // transfers, each at most `MAX_SEGMENTS`: only a side that sends by
+    // rendezvous binds any.
+    let binds = if cfg.rendezvous_threshold.is_some() {
+        crate::RENDEZVOUS_MAX_OUTGOING * crate::proto::MAX_SEGMENTS as u32
+    } else {
+        0
+    };
     let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS)
         + CTRL_SLOTS
         + crate::verbs::READ_DEPTH

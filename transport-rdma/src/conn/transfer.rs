@@ -296,9 +296,9 @@ impl OutgoingTransfer {
             // SAFETY: the piece is of a frozen buffer (`Bytes`, immutable),
             // and this transfer holds it and the window, dropping the
             // window first.
-            let addr = unsafe { pool.bind(qp, &piece.window, &piece.bytes)? };
+            let remote = unsafe { pool.bind(qp, &piece.window, &piece.bytes)? };
             self.announcement
-                .bind_segment(piece.segment, addr, piece.window.bound_rkey());
+                .bind_segment(piece.segment, remote.addr, remote.rkey);
         }
         Ok(())
     }

@@ -357,8 +357,8 @@ impl QueuePair {
     /// queued: a SEND posted after it reaches the peer after the bind took
     /// effect (an RC send queue executes in order), so a peer told the rkey
     /// in that SEND can read. The window is bound to this queue pair: only
-    /// its peer can use the rkey. Returns the address remote requests name
-    /// `mr[range.start]` by. A signaled request must follow, or the bind's
+    /// its peer can use the rkey. Returns what the peer reads `mr[range]`
+    /// by (the address and the window's rkey). A signaled request must follow, or the bind's
     /// send-queue entry is never reclaimed.
     ///
     /// # Safety
@@ -371,7 +371,7 @@ impl QueuePair {
         window: &MemoryWindow,
         mr: &MemoryRegion,
         range: Range<usize>,
-    ) -> Result<u64> {
+    ) -> Result<RemoteRegion> {
         self.check_pd(mr)?;
         if !Arc::ptr_eq(&self.pd, &window.pd) {
             return Err(Error::ForeignMemoryRegion);
@@ -381,7 +381,11 @@ impl QueuePair {
         let (raw_mr, iova, buf) = mr
             .bind_target()
             .ok_or(Error::NotRegistered { len: sge.length })?;
-        let addr = iova + range.start as u64;
+        let remote = RemoteRegion {
+            addr: iova + range.start as u64,
+            rkey: window.bound_rkey(),
+            len: range.len() as u64,
+        };
         debug_assert_eq!(sge.addr, buf as u64 + range.start as u64);
         let mut wr = ffi::ibv_send_wr {
             wr_id,
@@ -403,11 +407,11 @@ impl QueuePair {
             bind_mw_tso_union: ffi::bind_mw_tso_union_t {
                 bind_mw: ffi::bind_mw_t {
                     mw: window.raw().as_ptr(),
-                    rkey: window.bound_rkey(),
+                    rkey: remote.rkey,
                     bind_info: ffi::ibv_mw_bind_info {
                         mr: raw_mr.as_ptr(),
-                        addr,
-                        length: range.len() as u64,
+                        addr: remote.addr,
+                        length: remote.len,
                         mw_access_flags: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
                     },
                 },
@@ -420,7 +424,7 @@ impl QueuePair {
         // unwritten while the window lives.
         let ret = unsafe { ffi::ibv_post_send(self.raw(), &mut wr, &mut bad) };
         if ret == 0 {
-            Ok(addr)
+            Ok(remote)
         } else {
             Err(Error::PostSend(errno_error(ret)))
         }
