@@ -3,7 +3,8 @@
 
 use std::marker::PhantomData;
 
-use bytes::{BufMut, Bytes};
+use bytes::buf::UninitSlice;
+use bytes::{Buf, BufMut, Bytes};
 
 use crate::frame::{EncodePayload, Gather};
 use crate::status::Status;
@@ -55,8 +56,12 @@ where
         item.encoded_len()
     }
 
-    fn encode(item: &E, mut dst: &mut dyn BufMut) {
-        item.encode_raw(&mut dst);
+    /// Through [`Coalesced`]: prost writes a field's key and length a
+    /// byte at a time, each a dynamic call on `dst` otherwise.
+    fn encode(item: &E, dst: &mut dyn BufMut) {
+        let mut coalesced = Coalesced::new(dst);
+        item.encode_raw(&mut coalesced);
+        coalesced.flush();
     }
 
     fn encode_to_slice(item: &E, mut dst: &mut [u8]) {
@@ -105,6 +110,82 @@ impl Codec for BytesCodec {
 
     fn decode(buf: Bytes) -> Result<Bytes, Status> {
         Ok(buf)
+    }
+}
+
+/// A [`BufMut`] in front of a `dyn BufMut` that gathers small writes (a
+/// field's key, a varint) on the stack and hands them on in one call, with
+/// the slices too large to gather (a `bytes` field's contents) passed
+/// straight through. Call [`flush`](Self::flush) when done.
+struct Coalesced<'a> {
+    dst: &'a mut dyn BufMut,
+    staged: [u8; STAGE],
+    len: usize,
+}
+
+/// Bytes [`Coalesced`] gathers before it writes them on.
+const STAGE: usize = 64;
+
+impl<'a> Coalesced<'a> {
+    fn new(dst: &'a mut dyn BufMut) -> Self {
+        Coalesced {
+            dst,
+            staged: [0; STAGE],
+            len: 0,
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.len > 0 {
+            self.dst.put_slice(&self.staged[..self.len]);
+            self.len = 0;
+        }
+    }
+}
+
+// SAFETY: `chunk_mut` is the unused part of `staged`, initialised memory
+// this adapter owns; `advance_mut` moves `len` within it (checked).
+unsafe impl BufMut for Coalesced<'_> {
+    fn remaining_mut(&self) -> usize {
+        self.dst.remaining_mut() - self.len
+    }
+
+    unsafe fn advance_mut(&mut self, cnt: usize) {
+        assert!(cnt <= STAGE - self.len, "advanced past the stage");
+        self.len += cnt;
+    }
+
+    fn chunk_mut(&mut self) -> &mut UninitSlice {
+        if self.len == STAGE {
+            self.flush();
+        }
+        UninitSlice::new(&mut self.staged[self.len..])
+    }
+
+    #[inline]
+    fn put_slice(&mut self, src: &[u8]) {
+        if src.len() <= STAGE - self.len {
+            self.staged[self.len..self.len + src.len()].copy_from_slice(src);
+            self.len += src.len();
+        } else {
+            self.flush();
+            self.dst.put_slice(src);
+        }
+    }
+
+    /// Chunk by chunk through [`put_slice`](Self::put_slice) (the default
+    /// would copy through `chunk_mut`, a stage at a time): a large `Bytes`
+    /// field goes to `dst` in one call.
+    fn put<T: Buf>(&mut self, mut src: T)
+    where
+        Self: Sized,
+    {
+        while src.has_remaining() {
+            let chunk = src.chunk();
+            let len = chunk.len();
+            self.put_slice(chunk);
+            src.advance(len);
+        }
     }
 }
 
@@ -304,6 +385,64 @@ mod tests {
             .segments()
             .is_empty());
         assert_frame_gathers_as_it_encodes(&OutFrame::control(0, OutBody::Ping, false));
+    }
+
+    /// A `BufMut` that records the length of each write it is handed.
+    #[derive(Default)]
+    struct Writes {
+        bytes: Vec<u8>,
+        lens: Vec<usize>,
+    }
+
+    // SAFETY: `chunk_mut` and `advance_mut` are the `Vec`'s own.
+    unsafe impl BufMut for Writes {
+        fn remaining_mut(&self) -> usize {
+            self.bytes.remaining_mut()
+        }
+
+        unsafe fn advance_mut(&mut self, cnt: usize) {
+            self.lens.push(cnt);
+            // SAFETY: forwarded, the caller initialised `cnt` bytes.
+            unsafe { self.bytes.advance_mut(cnt) }
+        }
+
+        fn chunk_mut(&mut self) -> &mut UninitSlice {
+            self.bytes.chunk_mut()
+        }
+
+        fn put_slice(&mut self, src: &[u8]) {
+            self.lens.push(src.len());
+            self.bytes.extend_from_slice(src);
+        }
+    }
+
+    #[test]
+    fn prost_encodes_into_a_dyn_buf_mut_in_few_writes() {
+        let message = push();
+        let mut writes = Writes::default();
+        ProstCodec::<Push, Push>::encode(&message, &mut writes);
+        assert_eq!(writes.bytes, message.encode_to_vec());
+        // Keys and lengths go in groups, never a byte at a time; each
+        // field over the stage goes in one write of its own.
+        assert!(writes.lens.iter().all(|&len| len > 1), "{:?}", writes.lens);
+        for large in [&message.tensors[0].data, &message.blobs[2]] {
+            assert!(
+                writes.lens.contains(&large.len()),
+                "{} bytes split",
+                large.len()
+            );
+        }
+        // Many small fields, more than a stage's worth: all of them, in order.
+        let shape: Vec<u64> = (0..200).map(|i| i * 1_000_003).collect();
+        let small = Tensor {
+            name: "s".repeat(STAGE - 1),
+            data: pattern(STAGE + 1, 3),
+            shape,
+        };
+        let mut writes = Writes::default();
+        ProstCodec::<Tensor, Tensor>::encode(&small, &mut writes);
+        assert_eq!(writes.bytes, small.encode_to_vec());
+        assert!(writes.lens.iter().all(|&len| len <= STAGE + 1));
     }
 
     #[test]

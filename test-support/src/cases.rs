@@ -478,7 +478,18 @@ pub async fn bursts_after_a_lone_call_are_read(listen: String, _profile: &Profil
 pub async fn unknown_service_and_method_are_unimplemented(listen: String, _profile: &Profile) {
     let server = TestServer::start(&listen, |b| b).await;
     let client = client_for(&server).await;
-    for path in ["/test.Nope/Echo", "/test.Test/Nope", "no-slashes"] {
+    let paths = [
+        "/test.Nope/Echo",
+        "/test.Test/Nope",
+        "no-slashes",
+        "/",
+        "//Echo",
+        "/test.Test/",
+        "/test.Test/Echo/",
+        "/test.Test/Echo/Echo",
+        "test.Test/Echo",
+    ];
+    for path in paths {
         let status = client
             .unary::<BytesCodec>(path, Request::new(Bytes::new()))
             .await
