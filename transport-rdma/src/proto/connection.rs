@@ -54,6 +54,12 @@ const HEAP_CHUNK_MAX: usize = 64 << 10;
 /// to 2.4 ms and their p99 from 13–22 to 7–8 ms, for 16 % of the
 /// tensor's throughput while they ran; a tensor alone keeps all four.
 const INTERLEAVED_CHUNKS: u32 = 16;
+/// The same for a rendezvous's READs: once a small frame arrived from the
+/// peer while we read one of its transfers, our READs go one in flight
+/// (not [`RendezvousConfig::read_depth`]) until this many more went with
+/// none arriving. The peer's small frames share its link with the READs'
+/// responses, which its device sends for all the READs posted.
+const INTERLEAVED_READS: u32 = 16;
 
 /// What a work request was for (its kind is encoded in its `wr_id`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -644,6 +650,8 @@ pub struct Connection {
     pool_in_use: u64,
     /// READs posted and not completed, in posting order: (seq, transfer, len).
     reads: VecDeque<(u32, u64, usize)>,
+    /// READs still to go one at a time ([`INTERLEAVED_READS`]).
+    interleaved_reads: u32,
     read_seq: u32,
     reads_completed: u64,
     /// `Done` messages to send.
@@ -715,6 +723,7 @@ impl Connection {
             incoming: VecDeque::new(),
             pool_in_use: 0,
             reads: VecDeque::new(),
+            interleaved_reads: 0,
             read_seq: 0,
             reads_completed: 0,
             dones: VecDeque::new(),
@@ -1376,13 +1385,18 @@ impl Connection {
             });
         }
         for t in self.incoming.iter_mut() {
-            if self.reads.len() >= self.rdv.read_depth as usize {
+            let depth = if self.interleaved_reads > 0 {
+                1
+            } else {
+                self.rdv.read_depth as usize
+            };
+            if self.reads.len() >= depth {
                 break;
             }
             if t.state != InState::Reading {
                 continue;
             }
-            while t.next < t.len && self.reads.len() < self.rdv.read_depth as usize {
+            while t.next < t.len && self.reads.len() < depth {
                 // A READ stays within one segment (one registration).
                 let (addr, rkey, in_segment) = t
                     .ann
@@ -1400,6 +1414,7 @@ impl Connection {
                     seq,
                 });
                 self.reads.push_back((seq, t.id, n));
+                self.interleaved_reads = self.interleaved_reads.saturating_sub(1);
                 t.next += n;
                 self.in_flight += 1;
             }
@@ -1557,10 +1572,15 @@ impl Connection {
         self.writer.on_freed(header.freed_to)?;
         self.wake.senders = true;
         match header.kind {
-            Kind::Inline => self.arrived.push_back(Arrived::Inline {
-                slot,
-                len: header.len,
-            }),
+            Kind::Inline => {
+                if !self.reads.is_empty() {
+                    self.interleaved_reads = INTERLEAVED_READS;
+                }
+                self.arrived.push_back(Arrived::Inline {
+                    slot,
+                    len: header.len,
+                });
+            }
             Kind::Chunk => {
                 if self.own_region != OwnRegion::Granted {
                     return Err(ProtocolError::new(
@@ -2859,8 +2879,8 @@ mod tests {
             }
             per_round.push(chunks);
         }
-        // The chunk before the small frame and these went one at a time;
-        // the last of the `INTERLEAVED_CHUNKS` then goes with the next ones.
+        // After the small frame, chunks go alone; the last of the
+        // `INTERLEAVED_CHUNKS` goes with the next ones.
         let single = INTERLEAVED_CHUNKS as usize - 1;
         assert_eq!(per_round[..single], vec![1; single]);
         let rest = (frame_len / HEAP_CHUNK_MAX - 1 - single) as u32;
@@ -3236,6 +3256,61 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    /// While small frames arrive from the peer, our READs of its transfer
+    /// go one in flight, for `INTERLEAVED_READS` more; then the depth again.
+    #[test]
+    fn reads_go_one_at_a_time_while_small_frames_arrive() {
+        let len = 1000 + INTERLEAVED_READS as usize * 300;
+        let mut conn = Connection::new(Config {
+            max_frame_len: 2 * len,
+            rendezvous: RendezvousConfig {
+                pool_bytes: 2 * crate::proto::pool_charge(len),
+                ..rendezvous_connection_config().rendezvous
+            },
+            ..rendezvous_connection_config()
+        });
+        announce(&mut conn, 0, 0, len as u32, 1);
+        let reads_posted = |conn: &mut Connection| {
+            transmits(conn)
+                .iter()
+                .filter(|t| matches!(t, Transmit::Read { .. }))
+                .count()
+        };
+        assert_eq!(
+            reads_posted(&mut conn),
+            2,
+            "the depth, before any small frame"
+        );
+        let mut h = Header::new(Kind::Inline);
+        h.len = 20;
+        let mut msg = vec![0; HEADER_LEN + 20];
+        h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+        msg[HEADER_LEN..HEADER_LEN + 12].copy_from_slice(&frame_head(2)[..12]);
+        complete(&mut conn, WorkKind::Recv.wr_id(1), &msg);
+        // Each round, the READs in flight complete; count the next ones.
+        let mut per_round = Vec::new();
+        while !conn.reads.is_empty() {
+            while let Some(&(s, _, _)) = conn.reads.front() {
+                complete(&mut conn, WorkKind::Read.wr_id(s), &[]);
+            }
+            assert_eq!(conn.failure(), None);
+            per_round.push(reads_posted(&mut conn));
+        }
+        // The last of the `INTERLEAVED_READS` goes with the next one.
+        let single = INTERLEAVED_READS as usize - 1;
+        assert_eq!(per_round[..single], vec![1; single]);
+        // 2 before the small frame and 15 alone: the rest two at a time,
+        // then none.
+        let reads = (len - HEAD as usize).div_ceil(300);
+        let rest = reads - 2 - single;
+        let mut depth = vec![2; rest / 2];
+        if rest % 2 > 0 {
+            depth.push(1);
+        }
+        depth.push(0);
+        assert_eq!(per_round[single..], depth);
     }
 
     #[test]
