@@ -267,7 +267,7 @@ impl Frame {
                 let code = Code::from_u32(get_u32(&mut fields, "status code")?);
                 let message = get_string(&mut fields, 4, "status message")?;
                 let metadata = get_metadata(whole, &mut fields)?;
-                FrameBody::Status(Status::new(code, message).with_metadata(metadata))
+                FrameBody::Status(Status::from_parts(code, message, metadata))
             }
             FrameKind::Cancel => {
                 unexpected(0)?;

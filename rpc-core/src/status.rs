@@ -202,9 +202,14 @@ impl Status {
         self.code == Code::Ok
     }
 
-    pub(crate) fn with_metadata(mut self, metadata: MetadataMap) -> Status {
-        self.metadata = metadata;
-        self
+    /// A status of its parts, as a frame carries them (no empty map made
+    /// and dropped on the way, as `new` then setting the metadata would).
+    pub(crate) fn from_parts(code: Code, message: String, metadata: MetadataMap) -> Status {
+        Status {
+            code,
+            message,
+            metadata,
+        }
     }
 }
 

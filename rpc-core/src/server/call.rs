@@ -17,7 +17,7 @@ use crate::frame::{EncodePayload, OutBody, OutFrame};
 use crate::intercept::Extensions;
 use crate::message::{Inbound, Received, RecvWindow, Request, Response, Streaming, StreamingParts};
 use crate::metadata::MetadataMap;
-use crate::status::Status;
+use crate::status::{Code, Status};
 use crate::transport::BoxFuture;
 
 use super::connection::ServerConn;
@@ -115,7 +115,7 @@ impl ServerCall {
         let (message, metadata) = response.into_parts();
         match Encodable::<C>::new(&message, self.conn.routes.max_message_size) {
             Ok(payload) => {
-                let status = Status::ok("").with_metadata(metadata);
+                let status = Status::from_parts(Code::Ok, String::new(), metadata);
                 self.conn.finish(self.id, &status, Some(&payload)).await;
             }
             Err(status) => self.finish_with_status(status).await,
@@ -153,7 +153,7 @@ impl ServerCall {
                 return; // the connection is gone; its reader cleans up
             }
         }
-        self.finish_with_status(Status::ok("").with_metadata(metadata))
+        self.finish_with_status(Status::from_parts(Code::Ok, String::new(), metadata))
             .await;
     }
 }
