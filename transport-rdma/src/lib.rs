@@ -67,7 +67,10 @@
 //!   where the application left them: the tensor is copied once), four at
 //!   most in flight; small frames of
 //!   other calls pass such a frame between its chunks, so they wait behind
-//!   at most 256 KiB of it in the send queue, not behind the whole tensor.
+//!   at most 256 KiB of it in the send queue, not behind the whole tensor,
+//!   and once one passed the chunks go one in flight while small frames
+//!   keep coming (until 16 chunks went with none): each then waits behind
+//!   at most one 64 KiB chunk, for some of the tensor's throughput.
 //!   The receiver reports how far it has freed its region in every header.
 //!   Neither exists until needed: the first frame too large for a slot
 //!   asks for the peer's region (`RegionWanted`), which the peer registers
@@ -93,8 +96,10 @@
 //!   application drops stays registered for the next frame of its size
 //!   while the pool's budget allows (fresh memory costs more to register
 //!   than a copy of it). Several transfers run at once per connection,
-//!   frames of other calls keep flowing while one is read, and a full pool
-//!   makes transfers wait.
+//!   frames of other calls keep flowing while one is read (while they
+//!   arrive, the receiver keeps one READ in flight, not 16, so that they
+//!   do not queue behind READ responses on the sender's link), and a full
+//!   pool makes transfers wait.
 //! - **Payload buffers** ([`rpc_core::Channel::payload_buffer`]): on a
 //!   connection that sends by rendezvous, a buffer of at least the
 //!   threshold comes from the connection's pool
