@@ -56,7 +56,7 @@ where
         item.encoded_len()
     }
 
-    /// Through [`Coalesced`]: prost writes a field's key and length a
+    /// Through a small stage on the stack: prost writes a field's key and length a
     /// byte at a time, each a dynamic call on `dst` otherwise.
     fn encode(item: &E, dst: &mut dyn BufMut) {
         let mut coalesced = Coalesced::new(dst);
