@@ -56,8 +56,8 @@ where
         item.encoded_len()
     }
 
-    /// Through a small stage on the stack: prost writes a field's key and length a
-    /// byte at a time, each a dynamic call on `dst` otherwise.
+    /// Through a small stage on the stack: prost writes a field's key and
+    /// length a byte at a time, each a dynamic call on `dst` otherwise.
     fn encode(item: &E, dst: &mut dyn BufMut) {
         let mut coalesced = Coalesced::new(dst);
         item.encode_raw(&mut coalesced);
@@ -147,7 +147,7 @@ impl<'a> Coalesced<'a> {
 // this adapter owns; `advance_mut` moves `len` within it (checked).
 unsafe impl BufMut for Coalesced<'_> {
     fn remaining_mut(&self) -> usize {
-        self.dst.remaining_mut() - self.len
+        self.dst.remaining_mut().saturating_sub(self.len)
     }
 
     unsafe fn advance_mut(&mut self, cnt: usize) {
