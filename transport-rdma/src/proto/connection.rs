@@ -50,9 +50,9 @@ const HEAP_CHUNK_MAX: usize = 64 << 10;
 /// (1 MiB of 64 KiB chunks): while small calls run beside a tensor, each
 /// waits behind at most one chunk in the send queue, the first of them
 /// behind at most `HEAP_SLOTS`. On Soft-RoCE (16 MiB tensors beside 32 B
-/// calls, `hol-bench`) one in flight took the small calls' p50 from 8.6
-/// to 2.4 ms and their p99 from 13–22 to 7–8 ms, for 16 % of the
-/// tensor's throughput while they ran; a tensor alone keeps all four.
+/// calls, `hol-bench`) the small calls' p50 fell from 8.5–8.8 to 2.6–2.7
+/// ms, for 10–16 % of the tensor's throughput while they ran (the A/B in
+/// docs/benchmarks.md); a tensor alone keeps all four.
 const INTERLEAVED_CHUNKS: u32 = 16;
 /// The same for a rendezvous's READs: once a small frame arrived from the
 /// peer while we read one of its transfers, our READs go one in flight
@@ -60,6 +60,36 @@ const INTERLEAVED_CHUNKS: u32 = 16;
 /// none arriving. The peer's small frames share its link with the READs'
 /// responses, which its device sends for all the READs posted.
 const INTERLEAVED_READS: u32 = 16;
+
+/// How many requests of one kind (chunks, READs) go in flight at once:
+/// the full depth, or one for a while after small frames went beside them
+/// ([`INTERLEAVED_CHUNKS`], [`INTERLEAVED_READS`]).
+#[derive(Debug, Default)]
+struct Pace {
+    /// Requests still to go one at a time.
+    single: u32,
+}
+
+impl Pace {
+    /// Small frames went beside: the next `n` requests go one at a time.
+    fn interleave(&mut self, n: u32) {
+        self.single = n;
+    }
+
+    /// Requests allowed in flight now, of `full`.
+    fn depth(&self, full: usize) -> usize {
+        if self.single > 0 {
+            1
+        } else {
+            full
+        }
+    }
+
+    /// One request went.
+    fn posted(&mut self) {
+        self.single = self.single.saturating_sub(1);
+    }
+}
 
 /// What a work request was for (its kind is encoded in its `wr_id`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -604,9 +634,8 @@ pub struct Connection {
     free_send: FreeSlots,
     free_ctrl: Vec<u32>,
     free_heap: Vec<u32>,
-    /// Chunks still to go one at a time ([`INTERLEAVED_CHUNKS`]): counted
-    /// down by each chunk posted, set anew when a frame passes a chunked one.
-    interleaved: u32,
+    /// Chunks of chunked frames in flight at once ([`INTERLEAVED_CHUNKS`]).
+    chunk_pace: Pace,
     heap_queued: bool,
     inline_max: usize,
     /// Signaled send-queue requests posted and not completed.
@@ -650,8 +679,8 @@ pub struct Connection {
     pool_in_use: u64,
     /// READs posted and not completed, in posting order: (seq, transfer, len).
     reads: VecDeque<(u32, u64, usize)>,
-    /// READs still to go one at a time ([`INTERLEAVED_READS`]).
-    interleaved_reads: u32,
+    /// READs in flight at once ([`INTERLEAVED_READS`]).
+    read_pace: Pace,
     read_seq: u32,
     reads_completed: u64,
     /// `Done` messages to send.
@@ -674,7 +703,7 @@ impl Connection {
             free_send: FreeSlots::all(peer),
             free_ctrl: (peer..peer + CTRL_SLOTS).collect(),
             free_heap: (peer + CTRL_SLOTS..peer + CTRL_SLOTS + HEAP_SLOTS).collect(),
-            interleaved: 0,
+            chunk_pace: Pace::default(),
             heap_queued: false,
             inline_max: cfg.inline_max,
             in_flight: 0,
@@ -723,7 +752,7 @@ impl Connection {
             incoming: VecDeque::new(),
             pool_in_use: 0,
             reads: VecDeque::new(),
-            interleaved_reads: 0,
+            read_pace: Pace::default(),
             read_seq: 0,
             reads_completed: 0,
             dones: VecDeque::new(),
@@ -1191,8 +1220,9 @@ impl Connection {
                 }
                 Out::Heap { data, done, .. } => {
                     let in_flight = HEAP_SLOTS as usize - self.free_heap.len();
-                    let depth = if self.interleaved > 0 { 1 } else { HEAP_SLOTS };
-                    if self.credits.available() < 2 || in_flight >= depth as usize {
+                    if self.credits.available() < 2
+                        || in_flight >= self.chunk_pace.depth(HEAP_SLOTS as usize)
+                    {
                         break;
                     }
                     let n = (data.len() - *done)
@@ -1221,7 +1251,7 @@ impl Connection {
                     }
                     self.push_write(pos, n, Some(chunk));
                     self.push_send(WorkKind::Heap, slot, h, 0);
-                    self.interleaved = self.interleaved.saturating_sub(1);
+                    self.chunk_pace.posted();
                     // One chunk at a time: what may pass it goes next.
                     return true;
                 }
@@ -1259,7 +1289,7 @@ impl Connection {
                     let mut h = Header::new(Kind::Inline);
                     h.len = len;
                     self.push_send(WorkKind::Send, slot, h, len as usize);
-                    self.interleaved = INTERLEAVED_CHUNKS;
+                    self.chunk_pace.interleave(INTERLEAVED_CHUNKS);
                     sent = true;
                 }
                 // It waits, and so does whatever of its call is behind it.
@@ -1385,11 +1415,7 @@ impl Connection {
             });
         }
         for t in self.incoming.iter_mut() {
-            let depth = if self.interleaved_reads > 0 {
-                1
-            } else {
-                self.rdv.read_depth as usize
-            };
+            let depth = self.read_pace.depth(self.rdv.read_depth as usize);
             if self.reads.len() >= depth {
                 break;
             }
@@ -1414,7 +1440,7 @@ impl Connection {
                     seq,
                 });
                 self.reads.push_back((seq, t.id, n));
-                self.interleaved_reads = self.interleaved_reads.saturating_sub(1);
+                self.read_pace.posted();
                 t.next += n;
                 self.in_flight += 1;
             }
@@ -1574,7 +1600,7 @@ impl Connection {
         match header.kind {
             Kind::Inline => {
                 if !self.reads.is_empty() {
-                    self.interleaved_reads = INTERLEAVED_READS;
+                    self.read_pace.interleave(INTERLEAVED_READS);
                 }
                 self.arrived.push_back(Arrived::Inline {
                     slot,
@@ -2043,7 +2069,7 @@ impl Connection {
     /// A one-line summary of the state, for debugging stalls.
     pub fn summary(&self) -> String {
         format!(
-            "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} interleaved {} \
+            "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} chunks_single {} \
              heap_queued {} in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
              fresh {} arrived {} reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
              pool {} dones {} | {:?}",
@@ -2059,7 +2085,7 @@ impl Connection {
             self.free_send.len(),
             self.free_ctrl.len(),
             self.free_heap.len(),
-            self.interleaved,
+            self.chunk_pace.single,
             self.heap_queued,
             self.in_flight,
             self.writer.in_use(),
