@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
+use std::time::Instant;
 
 use rpc_core::transport::TransportError;
 use tokio::sync::Notify;
@@ -659,13 +660,18 @@ impl State {
     /// (linked, in as few `ibv_post_send` as can be) once the lock is let
     /// go ([`Locked`]); then wakes.
     pub(super) fn flush(&mut self, mem: &Buffers) {
+        let mut paced = false;
         while let Some(transmit) = self.proto.poll_transmit() {
+            paced |= transmit.is_paced();
             if let Err(e) = self.post(mem, transmit) {
                 // What was queued before is posted too, as the protocol
                 // counts it posted.
                 self.proto.fail(format!("posting to the queue pair: {e}"));
                 break;
             }
+        }
+        if paced {
+            self.proto.handle_posted(Instant::now());
         }
         self.release_on_failure();
         self.wake();
@@ -863,6 +869,9 @@ impl State {
     /// receiver looking for its next frame).
     pub(super) fn drain_cq(&mut self, cq: &CompletionQueue, mem: &Buffers) -> usize {
         let mut total = 0;
+        // Read once per drain, and only for completions the protocol paces
+        // by (`WorkKind::is_paced`): small calls pay no clock read.
+        let mut polled_at = None;
         loop {
             let n = match cq.poll_batch(&mut self.completed) {
                 Ok(n) => n,
@@ -875,7 +884,7 @@ impl State {
             self.completions += n as u64;
             for i in 0..n {
                 let wc = self.completed.get(i);
-                self.on_completion(mem, &wc);
+                self.on_completion(mem, &wc, &mut polled_at);
             }
             if !self.completed.is_full() {
                 if total > 0 {
@@ -887,12 +896,22 @@ impl State {
     }
 
     /// Feeds one completion to the protocol, with a receive's header copied
-    /// out of its slot.
-    fn on_completion(&mut self, mem: &Buffers, wc: &WorkCompletion) {
+    /// out of its slot, and the batch's time if its kind is paced.
+    fn on_completion(
+        &mut self,
+        mem: &Buffers,
+        wc: &WorkCompletion,
+        polled_at: &mut Option<Instant>,
+    ) {
         let failure = (!wc.is_ok()).then(|| format!("{} (status {})", wc.status_name(), wc.status));
         let mut header = [0; PEEK_LEN];
         let mut header_len = 0;
-        if let Some((WorkKind::Recv, slot)) = WorkKind::from_wr_id(wc.wr_id) {
+        let kind = WorkKind::from_wr_id(wc.wr_id);
+        let at = match kind {
+            Some((kind, _)) if kind.is_paced() => Some(*polled_at.get_or_insert_with(Instant::now)),
+            _ => None,
+        };
+        if let Some((WorkKind::Recv, slot)) = kind {
             // A slot with no memory yet was never posted: the protocol
             // fails the connection for it, with nothing read.
             if failure.is_none() && mem.ring.has(slot) {
@@ -909,6 +928,7 @@ impl State {
             failure: failure.as_deref(),
             byte_len: wc.byte_len as usize,
             header: &header[..header_len],
+            at,
         });
     }
 }

@@ -21,6 +21,7 @@
 //! [`HEAP_SLOTS`] for the chunks of heap-encoded frames.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use super::free_slots::FreeSlots;
 use super::rendezvous::{InState, Incoming, OutTransfer};
@@ -47,12 +48,13 @@ pub const HEAP_SLOTS: u32 = 4;
 const HEAP_CHUNK_MAX: usize = 64 << 10;
 /// Once a frame passed a chunked frame, chunks go one at a time (one in
 /// flight, not [`HEAP_SLOTS`]) until this many more went with none passing
-/// (1 MiB of 64 KiB chunks): while small calls run beside a tensor, each
-/// waits behind at most one chunk in the send queue, the first of them
-/// behind at most `HEAP_SLOTS`. On Soft-RoCE (16 MiB tensors beside 32 B
-/// calls, `hol-bench`) the small calls' p50 fell from 8.5–8.8 to 2.6–2.7
-/// ms, for 10–16 % of the tensor's throughput while they ran (the A/B in
-/// docs/benchmarks.md); a tensor alone keeps all four.
+/// (1 MiB of 64 KiB chunks, less of smaller paced ones): while small calls
+/// run beside a tensor, each waits behind at most one chunk in the send
+/// queue, the first of them behind at most `HEAP_SLOTS`. The one chunk
+/// carries [`PACED_WAIT`]'s worth of the link's rate. On Soft-RoCE (16 MiB
+/// tensors beside 32 B calls, `hol-bench`) the small calls' p50 fell from
+/// 8.5–8.8 to 2.6–2.7 ms with one 64 KiB chunk, and to 1.0 ms with paced
+/// ones (the A/Bs in docs/benchmarks.md); a tensor alone keeps all four.
 const INTERLEAVED_CHUNKS: u32 = 16;
 /// The same for a rendezvous's READs: once a small frame arrived from the
 /// peer while we read one of its transfers, our READs go one in flight
@@ -61,13 +63,73 @@ const INTERLEAVED_CHUNKS: u32 = 16;
 /// responses, which its device sends for all the READs posted.
 const INTERLEAVED_READS: u32 = 16;
 
-/// How many requests of one kind (chunks, READs) go in flight at once:
-/// the full depth, or one for a while after small frames went beside them
+/// How long a small frame may wait behind the one paced request (a chunk,
+/// a READ) in flight ahead of it: while small frames pass, a paced request
+/// carries what the link moves in this time ([`LinkRate`]), between
+/// [`PACED_MIN`] and the full size. At 5 Gb/s and up that is the full 64
+/// KiB; on Soft-RoCE (~55 MB/s) [`PACED_MIN`].
+const PACED_WAIT: Duration = Duration::from_micros(100);
+/// The smallest paced request: below it a request's own costs (for a chunk
+/// a WRITE, a SEND, a credit and a slot of the peer's ring) would take more
+/// of the link than the bytes. 16 KiB chunks met issue 10's p99 target on
+/// Soft-RoCE for 28 % of the tensor's throughput while small calls ran
+/// (the trial in docs/benchmarks.md).
+const PACED_MIN: usize = 16 << 10;
+/// Bytes a rate measurement spans.
+const RATE_WINDOW: u64 = 512 << 10;
+
+/// How fast the link moves one kind of request (chunks, READs): each
+/// request's bytes over the time from when the link had it (its post, or
+/// the completion before it if that came later) to its completion. A
+/// request posted or polled late makes the link look slower, never faster:
+/// the paced requests come out smaller.
+#[derive(Debug, Default)]
+struct LinkRate {
+    /// The last completion.
+    last: Option<Instant>,
+    /// Bytes completed and time taken since the last measurement.
+    window_bytes: u64,
+    window_time: Duration,
+    /// The last measurement, in bytes per second.
+    bytes_per_sec: Option<u64>,
+}
+
+impl LinkRate {
+    /// A request of `len` bytes posted at `posted` completed `at`.
+    fn completed(&mut self, len: usize, posted: Instant, at: Instant) {
+        let start = self.last.map_or(posted, |last| last.max(posted));
+        self.last = Some(at);
+        self.window_bytes += len as u64;
+        self.window_time += at.saturating_duration_since(start);
+        let nanos = self.window_time.as_nanos();
+        if self.window_bytes >= RATE_WINDOW && nanos > 0 {
+            let rate = u128::from(self.window_bytes) * 1_000_000_000 / nanos;
+            self.bytes_per_sec = Some(u64::try_from(rate).unwrap_or(u64::MAX));
+            self.window_bytes = 0;
+            self.window_time = Duration::ZERO;
+        }
+    }
+
+    /// Bytes the link moves in `wait`, once measured.
+    fn bytes_in(&self, wait: Duration) -> Option<usize> {
+        let bytes = u128::from(self.bytes_per_sec?) * wait.as_nanos() / 1_000_000_000;
+        Some(usize::try_from(bytes).unwrap_or(usize::MAX))
+    }
+}
+
+/// How many requests of one kind (chunks, READs) go in flight at once, and
+/// how large: the full depth and size, or one of [`PACED_WAIT`]'s worth of
+/// bytes for a while after small frames went beside them
 /// ([`INTERLEAVED_CHUNKS`], [`INTERLEAVED_READS`]).
 #[derive(Debug, Default)]
 struct Pace {
     /// Requests still to go one at a time.
     single: u32,
+    /// The requests in flight, oldest first (one send queue completes them
+    /// in posting order): length and, once the verbs layer said, when they
+    /// were posted.
+    in_flight: VecDeque<(usize, Option<Instant>)>,
+    rate: LinkRate,
 }
 
 impl Pace {
@@ -76,18 +138,42 @@ impl Pace {
         self.single = n;
     }
 
-    /// Requests allowed in flight now, of `full`.
-    fn depth(&self, full: usize) -> usize {
-        if self.single > 0 {
-            1
-        } else {
-            full
+    /// Whether another request may go now, with `full` the depth.
+    fn has_room(&self, full: usize) -> bool {
+        let depth = if self.single > 0 { 1 } else { full };
+        self.in_flight.len() < depth
+    }
+
+    /// The length of the next request, with `full` the largest.
+    fn len(&self, full: usize) -> usize {
+        match self.rate.bytes_in(PACED_WAIT) {
+            Some(paced) if self.single > 0 => paced.max(PACED_MIN).min(full),
+            _ => full,
         }
     }
 
-    /// One request went.
-    fn posted(&mut self) {
+    /// A request of `len` bytes went.
+    fn posted(&mut self, len: usize) {
         self.single = self.single.saturating_sub(1);
+        self.in_flight.push_back((len, None));
+    }
+
+    /// The requests not yet stamped were posted `at`.
+    fn stamp(&mut self, at: Instant) {
+        for (_, posted) in self.in_flight.iter_mut().rev() {
+            if posted.is_some() {
+                break;
+            }
+            *posted = Some(at);
+        }
+    }
+
+    /// The oldest request in flight completed, `at` then if the verbs
+    /// layer tells (it does for [`WorkKind::is_paced`] kinds).
+    fn completed(&mut self, at: Option<Instant>) {
+        if let (Some((len, Some(posted))), Some(at)) = (self.in_flight.pop_front(), at) {
+            self.rate.completed(len, posted, at);
+        }
     }
 }
 
@@ -129,6 +215,12 @@ impl WorkKind {
         (tag << 32) | u64::from(index)
     }
 
+    /// Whether the protocol paces requests of this kind by the link's rate
+    /// (it wants [`Completion::at`] for them).
+    pub fn is_paced(self) -> bool {
+        matches!(self, WorkKind::Heap | WorkKind::Read)
+    }
+
     /// The kind and index a `wr_id` of [`wr_id`](Self::wr_id) encodes.
     pub fn from_wr_id(wr_id: u64) -> Option<(WorkKind, u32)> {
         let kind = match wr_id >> 32 {
@@ -158,6 +250,9 @@ pub struct Completion<'a> {
     /// [`PEEK_LEN`](super::PEEK_LEN): the header, and an announcement's
     /// body), copied out of the slot by the verbs layer.
     pub header: &'a [u8],
+    /// When it was polled, for [`WorkKind::is_paced`] kinds (`None`: no
+    /// rate measured from it).
+    pub at: Option<Instant>,
 }
 
 /// A work request to post, in order.
@@ -256,6 +351,19 @@ pub enum Transmit {
         /// The ring's slots in use once registered.
         to: u32,
     },
+}
+
+impl Transmit {
+    /// Whether it is a request of a [`WorkKind::is_paced`] kind (the
+    /// protocol wants to know when it was posted:
+    /// [`handle_posted`](Connection::handle_posted)).
+    pub fn is_paced(&self) -> bool {
+        match self {
+            Transmit::Send { kind, .. } => kind.is_paced(),
+            Transmit::Read { .. } => true,
+            _ => false,
+        }
+    }
 }
 
 /// Our receive ring, as it grows with the peer's traffic.
@@ -1133,6 +1241,15 @@ impl Connection {
         self.wake.senders = true;
     }
 
+    /// The requests of [`WorkKind::is_paced`] kinds taken from
+    /// [`poll_transmit`](Self::poll_transmit) so far went to the device
+    /// `at`: the link's rate is measured from their post to their
+    /// completion ([`Completion::at`]).
+    pub fn handle_posted(&mut self, at: Instant) {
+        self.chunk_pace.stamp(at);
+        self.read_pace.stamp(at);
+    }
+
     /// The next work request to post, if any (everything the credits and
     /// the peer's free space allow, in order). `None` once failed.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
@@ -1219,15 +1336,14 @@ impl Connection {
                     self.push_send(WorkKind::Send, slot, h, body_len);
                 }
                 Out::Heap { data, done, .. } => {
-                    let in_flight = HEAP_SLOTS as usize - self.free_heap.len();
                     if self.credits.available() < 2
-                        || in_flight >= self.chunk_pace.depth(HEAP_SLOTS as usize)
+                        || !self.chunk_pace.has_room(HEAP_SLOTS as usize)
                     {
                         break;
                     }
                     let n = (data.len() - *done)
                         .min(self.writer.max_chunk() as usize)
-                        .min(HEAP_CHUNK_MAX);
+                        .min(self.chunk_pace.len(HEAP_CHUNK_MAX));
                     let Some(pos) = self.writer.alloc(n as u64) else {
                         break;
                     };
@@ -1251,7 +1367,7 @@ impl Connection {
                     }
                     self.push_write(pos, n, Some(chunk));
                     self.push_send(WorkKind::Heap, slot, h, 0);
-                    self.chunk_pace.posted();
+                    self.chunk_pace.posted(n);
                     // One chunk at a time: what may pass it goes next.
                     return true;
                 }
@@ -1415,20 +1531,20 @@ impl Connection {
             });
         }
         for t in self.incoming.iter_mut() {
-            let depth = self.read_pace.depth(self.rdv.read_depth as usize);
-            if self.reads.len() >= depth {
+            let depth = self.rdv.read_depth as usize;
+            if !self.read_pace.has_room(depth) {
                 break;
             }
             if t.state != InState::Reading {
                 continue;
             }
-            while t.next < t.len && self.reads.len() < depth {
+            while t.next < t.len && self.read_pace.has_room(depth) {
                 // A READ stays within one segment (one registration).
                 let (addr, rkey, in_segment) = t
                     .ann
                     .locate(t.next)
                     .expect("the segments add up to the frame (checked on arrival)");
-                let n = in_segment.min(self.rdv.read_chunk);
+                let n = in_segment.min(self.read_pace.len(self.rdv.read_chunk));
                 let seq = self.read_seq;
                 self.read_seq = self.read_seq.wrapping_add(1);
                 self.transmit.push_back(Transmit::Read {
@@ -1440,7 +1556,7 @@ impl Connection {
                     seq,
                 });
                 self.reads.push_back((seq, t.id, n));
-                self.read_pace.posted();
+                self.read_pace.posted(n);
                 t.next += n;
                 self.in_flight += 1;
             }
@@ -1519,11 +1635,15 @@ impl Connection {
                 self.wake.senders = true;
             }
             WorkKind::Control => self.free_ctrl.push(index),
-            WorkKind::Heap => self.free_heap.push(index),
+            WorkKind::Heap => {
+                self.free_heap.push(index);
+                self.chunk_pace.completed(wc.at);
+            }
             WorkKind::Write | WorkKind::Bind => {}
             WorkKind::Read => {
                 let (transfer, len) = read.expect("a posted READ");
                 self.reads_completed += 1;
+                self.read_pace.completed(wc.at);
                 if let Some(t) = self.incoming.iter_mut().find(|t| t.id == transfer) {
                     t.read += len;
                     if t.read == t.len {
@@ -2070,7 +2190,7 @@ impl Connection {
     pub fn summary(&self) -> String {
         format!(
             "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} chunks_single {} \
-             heap_queued {} in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
+             chunk_rate {:?} read_rate {:?} heap_queued {} in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
              fresh {} arrived {} reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
              pool {} dones {} | {:?}",
             self.credits.available(),
@@ -2086,6 +2206,8 @@ impl Connection {
             self.free_ctrl.len(),
             self.free_heap.len(),
             self.chunk_pace.single,
+            self.chunk_pace.rate.bytes_per_sec,
+            self.read_pace.rate.bytes_per_sec,
             self.heap_queued,
             self.in_flight,
             self.writer.in_use(),
@@ -2141,6 +2263,7 @@ mod tests {
             failure: None,
             byte_len: header.len(),
             header,
+            at: None,
         });
     }
 
@@ -2248,6 +2371,7 @@ mod tests {
                 failure: None,
                 byte_len: HEADER_LEN + 4,
                 header: &bytes,
+                at: None,
             })
         };
         arrival(&mut conn);
@@ -2296,6 +2420,7 @@ mod tests {
             failure: Some("IBV_WC_REM_ACCESS_ERR (status 10)"),
             byte_len: 0,
             header: &[],
+            at: None,
         });
         let failure = conn.failure().expect("a failed WRITE was taken");
         assert!(failure.contains("REM_ACCESS_ERR"), "{failure}");
@@ -2328,6 +2453,7 @@ mod tests {
             failure: Some("IBV_WC_MW_BIND_ERR (status 6)"),
             byte_len: 0,
             header: &[],
+            at: None,
         });
         let failure = conn.failure().expect("a failed bind was taken");
         assert!(failure.contains("MW_BIND_ERR"), "{failure}");
@@ -2917,6 +3043,140 @@ mod tests {
         assert_eq!(per_round[single..], quiet);
     }
 
+    /// Once small frames pass, a chunk carries what the link moved in
+    /// `PACED_WAIT`, measured between the completions of chunks that went
+    /// back to back: 64 KiB every 200 µs is 32 KiB in 100 µs.
+    #[test]
+    fn paced_chunks_carry_what_the_link_moves_in_the_wait() {
+        let region = 4 << 20;
+        let mut conn = Connection::new(Config {
+            region_len: region,
+            peer_region_len: region,
+            max_frame_len: 8 << 20,
+            ..connection_config()
+        })
+        .regions_granted();
+        let queue = |conn: &mut Connection, len: usize, call: u64| {
+            let SendDecision::Encode(reservation) = conn.handle_send(len) else {
+                panic!("no room for a frame of {len} bytes")
+            };
+            let mut frame = vec![0; len];
+            frame[4..12].copy_from_slice(&call.to_le_bytes());
+            let heap = (len > conn.max_unchunked()).then(|| bytes::Bytes::from(frame).into());
+            conn.queue_frame(reservation.in_lane(Some(call)), heap)
+                .unwrap();
+        };
+        // The chunks' lengths and slots posted since the last call.
+        let chunks = |conn: &mut Connection, posted: &mut VecDeque<u32>| {
+            let mut lens = Vec::new();
+            while let Some(t) = conn.poll_transmit() {
+                match t {
+                    Transmit::Write { len, .. } => lens.push(len),
+                    Transmit::Send {
+                        kind: WorkKind::Heap,
+                        slot,
+                        ..
+                    } => posted.push_back(slot),
+                    _ => {}
+                }
+            }
+            lens
+        };
+        let mut ring_slot = 0;
+        let mut complete_oldest = |conn: &mut Connection, posted: &mut VecDeque<u32>, at| {
+            let slot = posted.pop_front().expect("a chunk in flight");
+            conn.handle_completion(Completion {
+                wr_id: WorkKind::Heap.wr_id(slot),
+                failure: None,
+                byte_len: 0,
+                header: &[],
+                at: Some(at),
+            });
+            let mut credit = Header::new(Kind::Credit);
+            credit.credits = 1;
+            let mut bytes = [0; HEADER_LEN];
+            credit.encode(&mut bytes);
+            complete(conn, WorkKind::Recv.wr_id(ring_slot), &bytes);
+            ring_slot = (ring_slot + 1) % RING_SLOTS;
+            assert_eq!(conn.failure(), None);
+        };
+
+        queue(&mut conn, 3 << 20, 1);
+        let mut posted = VecDeque::new();
+        assert_eq!(chunks(&mut conn, &mut posted), vec![HEAP_CHUNK_MAX; 4]);
+        let mut at = Instant::now();
+        conn.handle_posted(at);
+        // Alone, the chunks go full size whatever the rate: one completes
+        // every 200 µs and the next is posted in its place.
+        for _ in 0..12 {
+            at += Duration::from_micros(200);
+            complete_oldest(&mut conn, &mut posted, at);
+            assert_eq!(chunks(&mut conn, &mut posted), vec![HEAP_CHUNK_MAX]);
+            conn.handle_posted(at);
+        }
+        queue(&mut conn, 40, 2);
+        assert_eq!(
+            chunks(&mut conn, &mut posted),
+            vec![],
+            "the small frame passed"
+        );
+        // The four in flight complete; then one at a time, of 32 KiB.
+        for _ in 0..3 {
+            at += Duration::from_micros(200);
+            complete_oldest(&mut conn, &mut posted, at);
+            assert_eq!(chunks(&mut conn, &mut posted), vec![]);
+        }
+        for _ in 0..4 {
+            at += Duration::from_micros(200);
+            complete_oldest(&mut conn, &mut posted, at);
+            assert_eq!(chunks(&mut conn, &mut posted), vec![32 << 10]);
+            conn.handle_posted(at);
+        }
+    }
+
+    /// A request's time on the link runs from its post, or from the
+    /// completion before it if that came later, to its completion: requests
+    /// pipelined are not counted twice, and the link idle between two
+    /// requests is not counted at all.
+    #[test]
+    fn a_link_rate_counts_the_time_the_link_had_work() {
+        let mut rate = LinkRate::default();
+        let start = Instant::now();
+        let ms = |n: u64| start + Duration::from_millis(n);
+        let chunk = 64 << 10;
+        // Four posted together, completed in two polls: 2 ms.
+        for done in [1, 1, 2, 2] {
+            rate.completed(chunk, ms(0), ms(done));
+        }
+        assert_eq!(
+            rate.bytes_in(Duration::from_secs(1)),
+            None,
+            "not a window yet"
+        );
+        // A second idle; one posted and completed in 1 ms, three posted on
+        // its completion and completed in two more.
+        rate.completed(chunk, ms(1000), ms(1001));
+        for done in [1002, 1002, 1003] {
+            rate.completed(chunk, ms(1001), ms(done));
+        }
+        // 512 KiB in 5 ms.
+        assert_eq!(
+            rate.bytes_in(Duration::from_millis(5)),
+            Some(512 << 10),
+            "{rate:?}"
+        );
+        // 100 MiB/s moves 10 KiB in `PACED_WAIT`: while small frames pass
+        // a request is of `PACED_MIN`, otherwise of the full size.
+        let mut pace = Pace {
+            rate,
+            ..Pace::default()
+        };
+        assert_eq!(pace.len(HEAP_CHUNK_MAX), HEAP_CHUNK_MAX);
+        pace.interleave(1);
+        assert_eq!(pace.len(HEAP_CHUNK_MAX), PACED_MIN);
+        assert_eq!(pace.len(1000), 1000, "never past the full size");
+    }
+
     // ---- rendezvous ----
 
     /// A connection taking rendezvous transfers: frames up to 1000 bytes,
@@ -3339,6 +3599,70 @@ mod tests {
         assert_eq!(per_round[single..], depth);
     }
 
+    /// Once small frames arrive, a READ carries what the link moved in
+    /// `PACED_WAIT`, measured from the READs before: 64 KiB every 200 µs
+    /// is 32 KiB in 100 µs.
+    #[test]
+    fn paced_reads_carry_what_the_link_moves_in_the_wait() {
+        let len = 2 << 20;
+        let mut conn = Connection::new(Config {
+            max_frame_len: 2 * len,
+            rendezvous: RendezvousConfig {
+                pool_bytes: 2 * crate::proto::pool_charge(len),
+                read_chunk: 64 << 10,
+                ..rendezvous_connection_config().rendezvous
+            },
+            ..rendezvous_connection_config()
+        });
+        announce(&mut conn, 0, 0, len as u32, 1);
+        let read_lens = |conn: &mut Connection| -> Vec<usize> {
+            let transmits = transmits(conn);
+            transmits
+                .iter()
+                .filter_map(|t| match t {
+                    Transmit::Read { len, .. } => Some(*len),
+                    _ => None,
+                })
+                .collect()
+        };
+        let complete_oldest = |conn: &mut Connection, at| {
+            let (seq, _, _) = *conn.reads.front().expect("a READ in flight");
+            conn.handle_completion(Completion {
+                wr_id: WorkKind::Read.wr_id(seq),
+                failure: None,
+                byte_len: 0,
+                header: &[],
+                at: Some(at),
+            });
+            assert_eq!(conn.failure(), None);
+        };
+        assert_eq!(read_lens(&mut conn), vec![64 << 10; 2]);
+        let mut at = Instant::now();
+        conn.handle_posted(at);
+        for _ in 0..8 {
+            at += Duration::from_micros(200);
+            complete_oldest(&mut conn, at);
+            assert_eq!(read_lens(&mut conn), vec![64 << 10]);
+            conn.handle_posted(at);
+        }
+        let mut h = Header::new(Kind::Inline);
+        h.len = 20;
+        let mut msg = vec![0; HEADER_LEN + 20];
+        h.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+        msg[HEADER_LEN..HEADER_LEN + 12].copy_from_slice(&frame_head(2)[..12]);
+        complete(&mut conn, WorkKind::Recv.wr_id(1), &msg);
+        // The two in flight complete; then one at a time, of 32 KiB.
+        at += Duration::from_micros(200);
+        complete_oldest(&mut conn, at);
+        assert_eq!(read_lens(&mut conn), vec![]);
+        for _ in 0..4 {
+            at += Duration::from_micros(200);
+            complete_oldest(&mut conn, at);
+            assert_eq!(read_lens(&mut conn), vec![32 << 10]);
+            conn.handle_posted(at);
+        }
+    }
+
     #[test]
     fn frames_of_other_calls_pass_a_transfer_being_read_and_those_of_its_call_wait() {
         let mut conn = rendezvous_connection();
@@ -3358,6 +3682,7 @@ mod tests {
                 failure: None,
                 byte_len: msg.len(),
                 header: &msg[..HEADER_LEN],
+                at: None,
             });
         }
         let first: Vec<_> = std::iter::from_fn(|| conn.poll_delivery(&slots)).collect();

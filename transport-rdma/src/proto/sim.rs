@@ -502,6 +502,7 @@ fn poll(me: &mut Side) -> usize {
             failure: None,
             byte_len,
             header: &header,
+            at: None,
         });
         n += 1;
     }
@@ -792,6 +793,7 @@ fn run(seed: u64, steps: usize) {
                     failure: None,
                     byte_len,
                     header: &header,
+                    at: None,
                 });
             }
         }
