@@ -47,20 +47,23 @@ pub const HEAP_SLOTS: u32 = 4;
 /// 64 KiB messages.
 const HEAP_CHUNK_MAX: usize = 64 << 10;
 /// Once a frame passed a chunked frame, chunks go one at a time (one in
-/// flight, not [`HEAP_SLOTS`]) until this many more went with none passing
-/// (1 MiB of 64 KiB chunks, less of smaller paced ones): while small calls
-/// run beside a tensor, each waits behind at most one chunk in the send
-/// queue, the first of them behind at most `HEAP_SLOTS`. The one chunk
-/// carries [`PACED_WAIT`]'s worth of the link's rate. On Soft-RoCE (16 MiB
+/// flight, not [`HEAP_SLOTS`]) until this many full chunks' worth of bytes
+/// (1 MiB) went with none passing: while small calls run beside a tensor,
+/// each waits behind at most one chunk in the send queue, the first of
+/// them behind at most `HEAP_SLOTS`. The one chunk carries [`PACED_WAIT`]'s
+/// worth of the link's rate. Counted in bytes, not chunks, so that small
+/// paced chunks do not end the pacing sooner: when the full depth comes
+/// back, a small frame waits behind all of it. On Soft-RoCE (16 MiB
 /// tensors beside 32 B calls, `hol-bench`) the small calls' p50 fell from
 /// 8.5–8.8 to 2.6–2.7 ms with one 64 KiB chunk, and to 1.0 ms with paced
 /// ones (the A/Bs in docs/benchmarks.md); a tensor alone keeps all four.
 const INTERLEAVED_CHUNKS: u32 = 16;
 /// The same for a rendezvous's READs: once a small frame arrived from the
 /// peer while we read one of its transfers, our READs go one in flight
-/// (not [`RendezvousConfig::read_depth`]) until this many more went with
-/// none arriving. The peer's small frames share its link with the READs'
-/// responses, which its device sends for all the READs posted.
+/// (not [`RendezvousConfig::read_depth`]) until this many full READs' worth
+/// of bytes went with none arriving. The peer's small frames share its
+/// link with the READs' responses, which its device sends for all the
+/// READs posted.
 const INTERLEAVED_READS: u32 = 16;
 
 /// How long a small frame may wait behind the one paced request (a chunk,
@@ -123,8 +126,8 @@ impl LinkRate {
 /// ([`INTERLEAVED_CHUNKS`], [`INTERLEAVED_READS`]).
 #[derive(Debug, Default)]
 struct Pace {
-    /// Requests still to go one at a time.
-    single: u32,
+    /// Bytes still to go one request at a time.
+    single: usize,
     /// The requests in flight, oldest first (one send queue completes them
     /// in posting order): length and, once the verbs layer said, when they
     /// were posted.
@@ -133,9 +136,10 @@ struct Pace {
 }
 
 impl Pace {
-    /// Small frames went beside: the next `n` requests go one at a time.
-    fn interleave(&mut self, n: u32) {
-        self.single = n;
+    /// Small frames went beside: the next `n` full requests' worth of
+    /// bytes (of `full` each) go one request at a time.
+    fn interleave(&mut self, n: u32, full: usize) {
+        self.single = n as usize * full;
     }
 
     /// Whether another request may go now, with `full` the depth.
@@ -154,7 +158,7 @@ impl Pace {
 
     /// A request of `len` bytes went.
     fn posted(&mut self, len: usize) {
-        self.single = self.single.saturating_sub(1);
+        self.single = self.single.saturating_sub(len);
         self.in_flight.push_back((len, None));
     }
 
@@ -1405,7 +1409,8 @@ impl Connection {
                     let mut h = Header::new(Kind::Inline);
                     h.len = len;
                     self.push_send(WorkKind::Send, slot, h, len as usize);
-                    self.chunk_pace.interleave(INTERLEAVED_CHUNKS);
+                    self.chunk_pace
+                        .interleave(INTERLEAVED_CHUNKS, HEAP_CHUNK_MAX);
                     sent = true;
                 }
                 // It waits, and so does whatever of its call is behind it.
@@ -1720,7 +1725,8 @@ impl Connection {
         match header.kind {
             Kind::Inline => {
                 if !self.reads.is_empty() {
-                    self.read_pace.interleave(INTERLEAVED_READS);
+                    self.read_pace
+                        .interleave(INTERLEAVED_READS, self.rdv.read_chunk);
                 }
                 self.arrived.push_back(Arrived::Inline {
                     slot,
@@ -3120,18 +3126,31 @@ mod tests {
             vec![],
             "the small frame passed"
         );
-        // The four in flight complete; then one at a time, of 32 KiB.
+        // The four in flight complete; then one at a time, of 32 KiB (100
+        // µs each on the link), until 16 full chunks' worth (1 MiB) went
+        // with no frame passing: 32 of them, the last with three full ones.
         for _ in 0..3 {
             at += Duration::from_micros(200);
             complete_oldest(&mut conn, &mut posted, at);
             assert_eq!(chunks(&mut conn, &mut posted), vec![]);
         }
-        for _ in 0..4 {
-            at += Duration::from_micros(200);
+        for i in 0..31 {
+            at += Duration::from_micros(if i == 0 { 200 } else { 100 });
             complete_oldest(&mut conn, &mut posted, at);
-            assert_eq!(chunks(&mut conn, &mut posted), vec![32 << 10]);
+            assert_eq!(
+                chunks(&mut conn, &mut posted),
+                vec![32 << 10],
+                "paced chunk {i}"
+            );
             conn.handle_posted(at);
         }
+        at += Duration::from_micros(100);
+        complete_oldest(&mut conn, &mut posted, at);
+        let full = HEAP_CHUNK_MAX;
+        assert_eq!(
+            chunks(&mut conn, &mut posted),
+            vec![32 << 10, full, full, full]
+        );
     }
 
     /// A request's time on the link runs from its post, or from the
@@ -3172,7 +3191,7 @@ mod tests {
             ..Pace::default()
         };
         assert_eq!(pace.len(HEAP_CHUNK_MAX), HEAP_CHUNK_MAX);
-        pace.interleave(1);
+        pace.interleave(1, HEAP_CHUNK_MAX);
         assert_eq!(pace.len(HEAP_CHUNK_MAX), PACED_MIN);
         assert_eq!(pace.len(1000), 1000, "never past the full size");
     }
