@@ -2256,11 +2256,47 @@ mod tests {
 
     /// A control message from the peer: no credits, `freed_to` as given.
     fn credit_message(freed_to: u64) -> [u8; HEADER_LEN] {
+        control_message(0, freed_to)
+    }
+
+    /// A control message from the peer returning `n` credits.
+    fn credits_returned(n: u16) -> [u8; HEADER_LEN] {
+        control_message(n, 0)
+    }
+
+    fn control_message(credits: u16, freed_to: u64) -> [u8; HEADER_LEN] {
         let mut header = Header::new(Kind::Credit);
+        header.credits = credits;
         header.freed_to = freed_to;
         let mut bytes = [0; HEADER_LEN];
         header.encode(&mut bytes);
         bytes
+    }
+
+    /// A connection with 4 MiB regions granted both ways, for chunked
+    /// frames.
+    fn chunking_connection() -> Connection {
+        let region = 4 << 20;
+        Connection::new(Config {
+            region_len: region,
+            peer_region_len: region,
+            max_frame_len: 8 << 20,
+            ..connection_config()
+        })
+        .regions_granted()
+    }
+
+    /// Queues a frame of `len` bytes of call `call` (chunked if it does not
+    /// go whole).
+    fn queue_call(conn: &mut Connection, len: usize, call: u64) {
+        let SendDecision::Encode(reservation) = conn.handle_send(len) else {
+            panic!("no room for a frame of {len} bytes")
+        };
+        let mut frame = vec![0; len];
+        frame[4..12].copy_from_slice(&call.to_le_bytes());
+        let heap = (len > conn.max_unchunked()).then(|| bytes::Bytes::from(frame).into());
+        conn.queue_frame(reservation.in_lane(Some(call)), heap)
+            .unwrap();
     }
 
     fn complete(conn: &mut Connection, wr_id: u64, header: &[u8]) {
@@ -2534,11 +2570,7 @@ mod tests {
         assert!(total <= 96 - HEADER_LEN && total + 10 > 96 - HEADER_LEN);
         assert_eq!(conn.queued(), 1);
         // A credit comes back: one SEND carries it all.
-        let mut credit = Header::new(Kind::Credit);
-        credit.credits = 1;
-        let mut bytes = [0; HEADER_LEN];
-        credit.encode(&mut bytes);
-        complete(&mut conn, WorkKind::Recv.wr_id(0), &bytes);
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &credits_returned(1));
         let lens: Vec<_> = std::iter::from_fn(|| conn.poll_transmit())
             .filter_map(|t| match t {
                 Transmit::Send { header, .. } if header.kind == Kind::Inline => Some(header.len),
@@ -2959,27 +2991,10 @@ mod tests {
     /// `INTERLEAVED_CHUNKS`, and `HEAP_SLOTS` at a time again after.
     #[test]
     fn a_chunked_frame_goes_in_small_chunks_that_small_frames_pass() {
-        let region = 4 << 20;
-        let mut conn = Connection::new(Config {
-            region_len: region,
-            peer_region_len: region,
-            max_frame_len: 8 << 20,
-            ..connection_config()
-        })
-        .regions_granted();
-        let mut queue = |len: usize, call: u64| {
-            let SendDecision::Encode(reservation) = conn.handle_send(len) else {
-                panic!("no room for a frame of {len} bytes")
-            };
-            let mut frame = vec![0; len];
-            frame[4..12].copy_from_slice(&call.to_le_bytes());
-            let heap = (len > conn.max_unchunked()).then(|| bytes::Bytes::from(frame).into());
-            conn.queue_frame(reservation.in_lane(Some(call)), heap)
-                .unwrap();
-        };
+        let mut conn = chunking_connection();
         let frame_len = 3 << 20;
-        queue(frame_len, 1);
-        queue(40, 2);
+        queue_call(&mut conn, frame_len, 1);
+        queue_call(&mut conn, 40, 2);
         let mut writes = Vec::new();
         let mut small_after = None;
         let mut posted = Vec::new();
@@ -3013,11 +3028,8 @@ mod tests {
             for slot in posted.drain(..) {
                 complete(&mut conn, WorkKind::Heap.wr_id(slot), &[]);
             }
-            let mut credit = Header::new(Kind::Credit);
-            credit.credits = done as u16;
-            let mut bytes = [0; HEADER_LEN];
-            credit.encode(&mut bytes);
-            complete(&mut conn, WorkKind::Recv.wr_id(ring_slot), &bytes);
+            let credits = credits_returned(done as u16);
+            complete(&mut conn, WorkKind::Recv.wr_id(ring_slot), &credits);
             ring_slot = (ring_slot + 1) % RING_SLOTS;
             assert_eq!(conn.failure(), None);
             let mut chunks = 0;
@@ -3050,28 +3062,11 @@ mod tests {
     }
 
     /// Once small frames pass, a chunk carries what the link moved in
-    /// `PACED_WAIT`, measured between the completions of chunks that went
-    /// back to back: 64 KiB every 200 µs is 32 KiB in 100 µs.
+    /// `PACED_WAIT`, measured from the chunks before: 64 KiB every 200 µs
+    /// is 32 KiB in 100 µs.
     #[test]
     fn paced_chunks_carry_what_the_link_moves_in_the_wait() {
-        let region = 4 << 20;
-        let mut conn = Connection::new(Config {
-            region_len: region,
-            peer_region_len: region,
-            max_frame_len: 8 << 20,
-            ..connection_config()
-        })
-        .regions_granted();
-        let queue = |conn: &mut Connection, len: usize, call: u64| {
-            let SendDecision::Encode(reservation) = conn.handle_send(len) else {
-                panic!("no room for a frame of {len} bytes")
-            };
-            let mut frame = vec![0; len];
-            frame[4..12].copy_from_slice(&call.to_le_bytes());
-            let heap = (len > conn.max_unchunked()).then(|| bytes::Bytes::from(frame).into());
-            conn.queue_frame(reservation.in_lane(Some(call)), heap)
-                .unwrap();
-        };
+        let mut conn = chunking_connection();
         // The chunks' lengths and slots posted since the last call.
         let chunks = |conn: &mut Connection, posted: &mut VecDeque<u32>| {
             let mut lens = Vec::new();
@@ -3098,16 +3093,12 @@ mod tests {
                 header: &[],
                 at: Some(at),
             });
-            let mut credit = Header::new(Kind::Credit);
-            credit.credits = 1;
-            let mut bytes = [0; HEADER_LEN];
-            credit.encode(&mut bytes);
-            complete(conn, WorkKind::Recv.wr_id(ring_slot), &bytes);
+            complete(conn, WorkKind::Recv.wr_id(ring_slot), &credits_returned(1));
             ring_slot = (ring_slot + 1) % RING_SLOTS;
             assert_eq!(conn.failure(), None);
         };
 
-        queue(&mut conn, 3 << 20, 1);
+        queue_call(&mut conn, 3 << 20, 1);
         let mut posted = VecDeque::new();
         assert_eq!(chunks(&mut conn, &mut posted), vec![HEAP_CHUNK_MAX; 4]);
         let mut at = Instant::now();
@@ -3120,7 +3111,7 @@ mod tests {
             assert_eq!(chunks(&mut conn, &mut posted), vec![HEAP_CHUNK_MAX]);
             conn.handle_posted(at);
         }
-        queue(&mut conn, 40, 2);
+        queue_call(&mut conn, 40, 2);
         assert_eq!(
             chunks(&mut conn, &mut posted),
             vec![],
