@@ -127,7 +127,7 @@ impl LinkRate {
 #[derive(Debug, Default)]
 struct Pace {
     /// Bytes still to go one request at a time.
-    single: usize,
+    single_bytes: usize,
     /// The requests in flight, oldest first (one send queue completes them
     /// in posting order): length and, once the verbs layer said, when they
     /// were posted.
@@ -139,26 +139,26 @@ impl Pace {
     /// Small frames went beside: the next `n` full requests' worth of
     /// bytes (of `full` each) go one request at a time.
     fn interleave(&mut self, n: u32, full: usize) {
-        self.single = n as usize * full;
+        self.single_bytes = n as usize * full;
     }
 
     /// Whether another request may go now, with `full` the depth.
     fn has_room(&self, full: usize) -> bool {
-        let depth = if self.single > 0 { 1 } else { full };
+        let depth = if self.single_bytes > 0 { 1 } else { full };
         self.in_flight.len() < depth
     }
 
     /// The length of the next request, with `full` the largest.
     fn len(&self, full: usize) -> usize {
         match self.rate.bytes_in(PACED_WAIT) {
-            Some(paced) if self.single > 0 => paced.max(PACED_MIN).min(full),
+            Some(paced) if self.single_bytes > 0 => paced.max(PACED_MIN).min(full),
             _ => full,
         }
     }
 
     /// A request of `len` bytes went.
     fn posted(&mut self, len: usize) {
-        self.single = self.single.saturating_sub(len);
+        self.single_bytes = self.single_bytes.saturating_sub(len);
         self.in_flight.push_back((len, None));
     }
 
@@ -2195,7 +2195,7 @@ impl Connection {
     /// A one-line summary of the state, for debugging stalls.
     pub fn summary(&self) -> String {
         format!(
-            "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} chunks_single {} \
+            "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} chunks_single_bytes {} \
              chunk_rate {:?} read_rate {:?} heap_queued {} in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
              fresh {} arrived {} reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
              pool {} dones {} | {:?}",
@@ -2211,7 +2211,7 @@ impl Connection {
             self.free_send.len(),
             self.free_ctrl.len(),
             self.free_heap.len(),
-            self.chunk_pace.single,
+            self.chunk_pace.single_bytes,
             self.chunk_pace.rate.bytes_per_sec,
             self.read_pace.rate.bytes_per_sec,
             self.heap_queued,
