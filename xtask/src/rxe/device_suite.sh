@@ -1,0 +1,37 @@
+# The device suite in the guest: every ignored test of the test executables
+# given as arguments, each in a process of its own, each under a time limit.
+#
+#   sh device_suite.sh LIMIT_SECS EXECUTABLE...
+#
+# A test still running after LIMIT_SECS fails: its threads' stacks are
+# printed (gdb), it is killed, and the suite goes on with the next one. The
+# suite exits 1 if any test failed, after naming them.
+#
+# `child_*` tests are halves their parents run in another process; alone
+# they fail, so the suite skips them.
+limit=$1
+shift
+failed=""
+for t in "$@"; do
+    echo "== $t"
+    names=$("$t" --list --ignored | sed -n 's/: test$//p' | grep -v 'child_')
+    for name in $names; do
+        "$t" --ignored --exact "$name" --test-threads=1 &
+        pid=$!
+        (
+            sleep "$limit" </dev/null >/dev/null 2>&1
+            kill -0 "$pid" 2>/dev/null || exit 0
+            echo "xtask: $name still running after $limit s (hung?): its threads' stacks, then it is killed"
+            gdb -p "$pid" -batch -ex 'thread apply all bt' 2>&1 | grep -v '^\[New LWP'
+            kill -9 "$pid"
+        ) &
+        watchdog=$!
+        wait "$pid" || failed="$failed $name"
+        kill "$watchdog" 2>/dev/null
+        wait "$watchdog" 2>/dev/null
+    done
+done
+if [ -n "$failed" ]; then
+    echo "xtask: device tests failed:$failed"
+    exit 1
+fi
