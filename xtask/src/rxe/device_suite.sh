@@ -5,7 +5,8 @@
 #
 # A test still running after LIMIT_SECS fails: its threads' stacks are
 # printed (gdb), it is killed, and the suite goes on with the next one. The
-# suite exits 1 if any test failed, after naming them.
+# suite exits 1 if any test failed, after naming them. Tests that took a
+# minute or more are named with their time (a hang in the making).
 #
 # `child_*` tests are halves their parents run in another process; alone
 # they fail, so the suite skips them.
@@ -16,6 +17,7 @@ for t in "$@"; do
     echo "== $t"
     names=$("$t" --list --ignored | sed -n 's/: test$//p' | grep -v 'child_')
     for name in $names; do
+        started=$(date +%s)
         "$t" --ignored --exact "$name" --test-threads=1 &
         pid=$!
         (
@@ -29,6 +31,8 @@ for t in "$@"; do
         wait "$pid" || failed="$failed $name"
         kill "$watchdog" 2>/dev/null
         wait "$watchdog" 2>/dev/null
+        took=$(($(date +%s) - started))
+        [ "$took" -lt 60 ] || echo "xtask: $name took $took s"
     done
 done
 if [ -n "$failed" ]; then
