@@ -11,8 +11,8 @@ use rpc_test_support as support;
 
 use bytes::Bytes;
 use common::{
-    mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, TestEnv,
-    GROWN_PER_END, IDLE_PER_END, PINNED_PER_END, SMALL_FRAMES_PER_END,
+    mem_available, open_fds, pinned_bytes, pinned_per_end, proc_kib, raise_fd_limit, within,
+    TestEnv, GROWN_PER_END, IDLE_PER_END, PINNED_PER_END, SMALL_FRAMES_PER_END,
 };
 use futures::future::join_all;
 use futures::StreamExt;
@@ -73,7 +73,12 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
             }
         }
     });
-    join_all(calls).await;
+    within(
+        Duration::from_secs(120),
+        "every connection's calls",
+        join_all(calls),
+    )
+    .await;
 
     let pinned = pinned_bytes() - before;
     let budget = 2 * CONNECTIONS as u64 * PINNED_PER_END;
@@ -449,13 +454,20 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     probe.next_phase();
     let calling = Instant::now();
     let clients: Vec<Client> = channels.iter().map(|c| Client::new(c.clone())).collect();
-    futures::stream::iter(clients.iter().enumerate())
-        .for_each_concurrent(SCALE_CONCURRENT_CALLERS, |(i, client)| async move {
-            for size in SCALE_PAYLOADS {
-                echo(client, i, size).await;
-            }
-        })
-        .await;
+    // Two guests take ~90 s; the suite's limit of a test is 300 s.
+    within(
+        Duration::from_secs(240),
+        "every connection's calls",
+        futures::stream::iter(clients.iter().enumerate()).for_each_concurrent(
+            SCALE_CONCURRENT_CALLERS,
+            |(i, client)| async move {
+                for size in SCALE_PAYLOADS {
+                    echo(client, i, size).await;
+                }
+            },
+        ),
+    )
+    .await;
     let calls_time = calling.elapsed();
     let called = Snapshot::take();
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::{within, TestEnv};
 use rpc_core::frame::{OutBody, OutFrame};
 use rpc_core::transport::FrameLimits;
 use rpc_core::{BytesCodec, Channel, Client, Request};
@@ -37,6 +37,9 @@ const LIMITS: FrameLimits = FrameLimits {
     max_frame_len: 64 << 20,
 };
 const BIG: usize = 4 << 20;
+/// Longer than any part takes here (seconds): a stalled transfer fails with
+/// the state of every connection instead of hanging.
+const LIMIT: Duration = Duration::from_secs(120);
 const BIG_COUNT: usize = 16;
 /// Longer than any round trip measured here (tens to hundreds of microseconds
 /// on Soft-RoCE under emulation): a reply that comes after the window
@@ -120,13 +123,17 @@ async fn frames(env: &TestEnv, mode: &str, cfg: &RdmaTransport) {
         client.sink.close();
         (rtts, took)
     });
-    let (rtts, took) = measure.await.unwrap();
+    let (rtts, took) = within(LIMIT, "frame round trips, then 4 MiB frames", measure)
+        .await
+        .unwrap();
     println!("perf: frames, {mode}: 2-byte payload: {}", summary(rtts));
     println!(
         "perf: frames, {mode}: 4 MiB one way: {}",
         rate(BIG * BIG_COUNT, took)
     );
-    answer.await.unwrap();
+    within(LIMIT, "the answering side's end", answer)
+        .await
+        .unwrap();
 }
 
 /// Where the inline threshold should sit: frame round trips by size, sent
@@ -168,8 +175,8 @@ async fn threshold(env: &TestEnv) {
                 rtts.sort();
                 rtts[rtts.len() / 2]
             });
-            medians.push(measure.await.unwrap());
-            echo.await.unwrap();
+            medians.push(within(LIMIT, "echoes", measure).await.unwrap());
+            within(LIMIT, "the echoing side's end", echo).await.unwrap();
         }
         println!(
             "perf: threshold, {size} B payload echo, busy-poll: inline median {:.1} us, region median {:.1} us",
@@ -210,13 +217,19 @@ async fn calls(env: &TestEnv, mode: &str, cfg: RdmaTransport) {
         assert_eq!(messages, BIG_COUNT as u64);
         (rtts, took)
     });
-    let (rtts, took) = measure.await.unwrap();
+    let (rtts, took) = within(
+        LIMIT,
+        "calls, then a client stream of 4 MiB messages",
+        measure,
+    )
+    .await
+    .unwrap();
     println!("perf: rpc, {mode}: unary Echo 2 bytes: {}", summary(rtts));
     println!(
         "perf: rpc, {mode}: client stream of 4 MiB messages: {}",
         rate(BIG * BIG_COUNT, took)
     );
-    server.stop().await;
+    within(LIMIT, "stopping the server", server.stop()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

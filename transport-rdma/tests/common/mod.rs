@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 /// Which side(s) of a two-host test this process plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,11 +97,35 @@ impl TestEnv {
     ) {
         use rpc_core::transport::Transport;
         let (mut listener, target) = self.listen_here(transport, limits).await;
-        let (client, server) = tokio::join!(
-            transport.connect(&target, limits),
-            std::future::poll_fn(|cx| listener.poll_accept(cx))
-        );
+        // A set-up that fails on one side leaves the other waiting.
+        let (client, server) = within(SET_UP_LIMIT, "connecting and accepting", async {
+            tokio::join!(
+                transport.connect(&target, limits),
+                std::future::poll_fn(|cx| listener.poll_accept(cx))
+            )
+        })
+        .await;
         (client.expect("connects"), server.expect("accepts"))
+    }
+}
+
+/// Longer than a connection's set-up takes at its own limits (10 s a step).
+pub const SET_UP_LIMIT: Duration = Duration::from_secs(60);
+
+/// Awaits `work`, or fails the test after `limit` with what it was doing
+/// and the state of every RDMA connection: a transfer that stalls fails
+/// with the protocol's counts instead of hanging the suite.
+pub async fn within<T>(
+    limit: Duration,
+    doing: &str,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    match tokio::time::timeout(limit, work).await {
+        Ok(done) => done,
+        Err(_) => panic!(
+            "{doing}: not done within {limit:?}; every connection's state:\n{}",
+            transport_rdma::debug_dump()
+        ),
     }
 }
 
