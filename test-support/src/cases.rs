@@ -616,6 +616,19 @@ fn encoded_tensor(name: &str, shape: &[u64], data_len: usize) -> Bytes {
     Bytes::from(message)
 }
 
+/// Far past what a call moving the largest message here takes (seconds,
+/// 64 MiB each way over Soft-RoCE): one that stalls fails
+/// `DeadlineExceeded` instead of hanging the suite.
+const LARGE_CALL_LIMIT: Duration = Duration::from_secs(120);
+
+/// A request for a call that moves a large message, with
+/// [`LARGE_CALL_LIMIT`] as its deadline.
+fn large_request(body: Bytes) -> Request<Bytes> {
+    let mut request = Request::new(body);
+    request.set_timeout(LARGE_CALL_LIMIT);
+    request
+}
+
 pub async fn a_64_mib_tensor_fits_the_default_limit_and_a_larger_message_does_not(
     listen: String,
     _profile: &Profile,
@@ -626,7 +639,7 @@ pub async fn a_64_mib_tensor_fits_the_default_limit_and_a_larger_message_does_no
     let tensor = encoded_tensor("layer.17.attention.weight", &[4096, 4096], 64 << 20);
     assert!(tensor.len() > 64 << 20 && tensor.len() <= rpc_core::DEFAULT_MAX_MESSAGE_SIZE);
     let reply = client
-        .unary::<BytesCodec>("/test.Test/Echo", Request::new(tensor.clone()))
+        .unary::<BytesCodec>("/test.Test/Echo", large_request(tensor.clone()))
         .await
         .expect("a 64 MiB tensor field fits the default maximum message size");
     assert!(reply.into_inner() == tensor, "the tensor came back changed");
@@ -830,9 +843,9 @@ pub async fn empty_and_large_messages_arrive_intact(listen: String, profile: &Pr
             .collect::<Vec<u8>>()
             .into();
         let reply = client
-            .unary::<BytesCodec>("/test.Test/Echo", Request::new(body.clone()))
+            .unary::<BytesCodec>("/test.Test/Echo", large_request(body.clone()))
             .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("{size} bytes: {e}"));
         assert!(
             reply.get_ref() == &body,
             "{size}-byte message changed in transit"
@@ -1126,7 +1139,7 @@ pub async fn payload_buffers_carry_requests_and_responses(listen: String, profil
         let echoed = client
             .unary::<BytesCodec>(
                 "/test.Test/EchoInPayloadBuffer",
-                Request::new(buffer.freeze()),
+                large_request(buffer.freeze()),
             )
             .await
             .unwrap_or_else(|e| panic!("{len} bytes: {e}"))

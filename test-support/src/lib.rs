@@ -348,10 +348,16 @@ impl TestServer {
         }
     }
 
-    /// Graceful shutdown; waits until the server has drained.
+    /// Graceful shutdown; waits until the server has drained, a minute at
+    /// most (a call or connection that never ends fails the test instead of
+    /// hanging it).
     pub async fn stop(mut self) {
         let _ = self.shutdown.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(60), &mut self.task)
+            .await
+            .expect("the server drained within a minute (a call or connection never ended?)")
+            .unwrap()
+            .unwrap();
     }
 
     /// Kills the server: its serve future is dropped mid-flight.
