@@ -463,9 +463,10 @@ const DEVICE_TEST_PACKAGES: &[&str] = &["transport-rdma", "examples"];
 /// EXECUTABLE...` (each test in its own process, under a time limit).
 const DEVICE_SUITE: &str = include_str!("rxe/device_suite.sh");
 
-/// Limit of one device test in [`DEVICE_SUITE`]: the longest take under a
-/// minute on a busy 2-core machine. One that hangs fails with its threads'
-/// stacks instead of taking the whole suite's time.
+/// Limit of one device test in [`DEVICE_SUITE`]: the longest take 69–72 s
+/// in two guests on a 2-core machine (the CI run of `a28ca95`). One that
+/// hangs fails with its threads' stacks instead of taking the whole suite's
+/// time.
 const DEVICE_TEST_LIMIT_SECS: u64 = 300;
 
 /// Builds the test executables of [`DEVICE_TEST_PACKAGES`] on the host and
