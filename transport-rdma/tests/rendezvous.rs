@@ -429,10 +429,13 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
                 )
             })
     };
-    let mut conn = tokio::time::timeout(STEP, std::future::poll_fn(|cx| listener.poll_accept(cx)))
-        .await
-        .expect("accepts in time")
-        .expect("accepts");
+    let mut conn = within(
+        STEP,
+        "accepting the child's connection",
+        std::future::poll_fn(|cx| listener.poll_accept(cx)),
+    )
+    .await
+    .expect("accepts");
     // The READs run once the announcement is in and the destination is
     // taken (registered). (The whole test takes ~20 s when it passes.)
     // Seen in the connection's READs in flight: the registered bytes would
@@ -673,9 +676,8 @@ fn process_cpu() -> Duration {
 }
 
 async fn payload_buffer(sink: &Arc<dyn FrameSink>, len: usize) -> rpc_core::PayloadBuffer {
-    tokio::time::timeout(STEP, sink.payload_buffer(len))
+    within(STEP, "taking a payload buffer", sink.payload_buffer(len))
         .await
-        .expect("a payload buffer in time")
         .expect("a payload buffer")
 }
 
@@ -752,9 +754,8 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
         "a buffer past the pool's budget waits"
     );
     drop(big);
-    let got = tokio::time::timeout(STEP, waiting)
+    let got = within(STEP, "the waiting buffer, once one was given back", waiting)
         .await
-        .expect("the waiting buffer came once one was given back")
         .unwrap();
     assert_eq!(got, 1 << 20);
     drop(small);
