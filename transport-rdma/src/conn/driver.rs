@@ -2,10 +2,8 @@
 //! and released slots in; it ends when the connection failed or both
 //! halves are dropped and everything was sent.
 
-use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rpc_core::transport::{Connection, FrameLimits, TransportError};
@@ -164,17 +162,6 @@ fn ticks_every(period: Duration) -> tokio::time::Interval {
     ticks
 }
 
-/// What ended the driver's wait.
-enum Woken {
-    /// The completion channel is readable (or failed).
-    Completions(std::io::Result<()>),
-    /// [`Shared::wake_task`] was notified.
-    Task,
-    Linger,
-    IdleCheck,
-    Keepalive,
-}
-
 /// The connection's driver: completions, connection-manager events,
 /// released slots; ends when the connection failed or both halves are
 /// dropped and everything was sent.
@@ -183,11 +170,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     // `Close` after it) while the peer takes it; a peer that takes nothing
     // for `LINGER` is given up on.
     const LINGER: Duration = Duration::from_secs(5);
-    // How often the linger is looked at meanwhile.
-    const LINGER_CHECK: Duration = Duration::from_millis(50);
     let mut linger_since: Option<Instant> = None;
-    let mut linger_ticks: Option<tokio::time::Interval> = None;
-    let mut notified = Box::pin(shared.wake_task.notified());
     let mut unsent = (0, 0);
     let mut keepalive = d.keepalive.map(ticks_every);
     // Ticks while this side holds staging, the peer's region or registered
@@ -249,72 +232,40 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 }
             }
         }
-        if linger_since.is_some() != linger_ticks.is_some() {
-            linger_ticks = linger_since.map(|_| ticks_every(LINGER_CHECK));
-        }
-        // Polled in place rather than by `select!` over futures made anew
-        // each turn: the loop turns once or twice per message.
-        let woken = std::future::poll_fn(|cx| {
-            // The timers first: a connection whose completions never stop
-            // still gets its idle checks and keepalive ticks.
-            for (ticks, woken) in [
-                (&mut keepalive, Woken::Keepalive),
-                (&mut idle_checks, Woken::IdleCheck),
-                (&mut linger_ticks, Woken::Linger),
-            ] {
-                if let Some(ticks) = ticks {
-                    if ticks.poll_tick(cx).is_ready() {
-                        return Poll::Ready(woken);
-                    }
+        let linger = async {
+            if linger_since.is_some() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            ready = d.cq_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for completions: {e}")); continue; }
                 }
-            }
-            if let Poll::Ready(ready) = d.cq_fd.poll_read_ready(cx) {
-                return Poll::Ready(Woken::Completions(
-                    ready.map(|mut guard| guard.clear_ready()),
-                ));
-            }
-            if notified.as_mut().poll(cx).is_ready() {
-                notified.set(shared.wake_task.notified());
-                return Poll::Ready(Woken::Task);
-            }
-            Poll::Pending
-        })
-        .await;
-        match woken {
-            Woken::Completions(Err(e)) => {
-                shared.lock().fail(format!("waiting for completions: {e}"));
-            }
-            Woken::Completions(Ok(())) => {
                 loop {
                     match d.cq_fd.get_ref().0.try_take_event() {
                         Ok(true) => {}
                         Ok(false) => break,
-                        Err(e) => {
-                            shared
-                                .lock()
-                                .fail(format!("reading the completion channel: {e}"));
-                            break;
-                        }
+                        Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
                     }
                 }
                 if let Err(e) = shared.cq.arm() {
-                    shared
-                        .lock()
-                        .fail(format!("arming the completion queue: {e}"));
+                    shared.lock().fail(format!("arming the completion queue: {e}"));
                 }
             }
-            Woken::Task | Woken::Linger => {}
-            Woken::IdleCheck => {
+            () = shared.wake_task.notified() => {}
+            () = linger => {}
+            _ = async { idle_checks.as_mut().expect("checked").tick().await }, if idle_checks.is_some() => {
                 let mut st = shared.lock();
                 let staging = st.release_idle_regions();
                 let send_slots = st.release_idle_send_slots(&shared.mem);
                 st.flush(&shared.mem);
                 drop(st);
                 if staging.is_some() {
-                    tracing::debug!(
-                        "{}: no large frame for a while: staging and the peer's region let go",
-                        shared.peer
-                    );
+                    tracing::debug!("{}: no large frame for a while: staging and the peer's region let go", shared.peer);
                 }
                 if send_slots > 0 {
                     tracing::debug!("{}: no frame too long to go inline for a while: {send_slots} bytes of send slots deregistered", shared.peer);
@@ -322,8 +273,8 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 // Deregistered here, without the lock.
                 drop(staging);
             }
-            Woken::Keepalive => {
-                let period = keepalive.as_ref().expect("it ticked").period();
+            _ = async { keepalive.as_mut().expect("checked").tick().await }, if keepalive.is_some() => {
+                let period = keepalive.as_ref().expect("checked").period();
                 let mut st = shared.lock();
                 if std::mem::replace(&mut seen_at_tick, st.completions) != st.completions {
                     probe_unanswered = false;
@@ -337,10 +288,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                     // Nothing completed for a whole period: ask the peer's
                     // device. (Not if the probe must wait for a credit: a
                     // peer that grants none is alive, only slow to read.)
-                    tracing::debug!(
-                        "{}: nothing completed for {period:?}: keepalive probe",
-                        shared.peer
-                    );
+                    tracing::debug!("{}: nothing completed for {period:?}: keepalive probe", shared.peer);
                     st.proto.probe();
                     st.flush(&shared.mem);
                     probe_unanswered = !st.proto.probe_pending();
@@ -348,7 +296,6 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
         }
     }
-    drop(notified);
     let _ = d.id.disconnect();
     // Wake whoever waits: they see the failure (or the end).
     let mut st = shared.lock();
