@@ -855,17 +855,22 @@ pub async fn empty_and_large_messages_arrive_intact(listen: String, profile: &Pr
 }
 
 pub async fn keepalive_pings_do_not_disturb_a_slow_call(listen: String, _profile: &Profile) {
-    let fast = Duration::from_millis(30);
-    let server = TestServer::start(&listen, |b| b.keepalive(fast, fast)).await;
+    // A ping after 50 ms without a frame, the connection given up 500 ms
+    // after a ping that nothing answered: long enough for a pong between
+    // two emulated Soft-RoCE guests under load (a 30 ms wait for it failed
+    // once there), well inside the call's 2 s, which without pongs would
+    // fail after ~550 ms.
+    let (interval, timeout) = (Duration::from_millis(50), Duration::from_millis(500));
+    let server = TestServer::start(&listen, |b| b.keepalive(interval, timeout)).await;
     let channel = Endpoint::new(&server.address)
         .unwrap()
-        .keepalive(fast, fast)
+        .keepalive(interval, timeout)
         .connect()
         .await
         .unwrap();
     let client = Client::new(channel);
-    // Ten keepalive intervals with no call traffic: pings and pongs keep both sides up.
-    let request = Request::new(sleep_request(300));
+    // Forty keepalive intervals with no call traffic: pings and pongs keep both sides up.
+    let request = Request::new(sleep_request(2_000));
     let reply = client
         .unary::<BytesCodec>("/test.Test/Sleep", request)
         .await
