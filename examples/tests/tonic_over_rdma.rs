@@ -6,8 +6,8 @@
 //! Needs `RDMA_TEST_DEVICE` and `RDMA_TEST_IP` (run through `cargo xtask
 //! rxe`, or see `docs/soft-roce.md`); fails without them. Server and client
 //! run in this process on this host's `RDMA_TEST_IP`, whatever
-//! `RDMA_TEST_ROLE` says: in a two-host run each guest does the whole test
-//! on its own device (the wire is crossed by `transport-rdma`'s tests).
+//! `RDMA_TEST_ROLE` says; the two-host suite leaves it out (the wire is
+//! crossed by `transport-rdma`'s `…_across_the_wire` tests).
 
 use std::time::Duration;
 

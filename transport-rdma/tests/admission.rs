@@ -6,7 +6,7 @@
 //! thread while a client stalls, and the deployment options (ACK timeout,
 //! type of service, source address).
 //!
-//! In a two-host run each guest runs these over its own device.
+//! They use one device; the two-host suite leaves them out.
 
 mod common;
 

@@ -4,8 +4,8 @@
 //! allow-list refuses other addresses, and a recorded proof cannot be
 //! replayed. Refused clients fail with `PermissionDenied` saying why.
 //!
-//! In a two-host run the RPC test runs across the hosts; the others run in
-//! each guest over its own device.
+//! In a two-host run the RPC test (`…_across_the_wire`) runs across the
+//! hosts; the others use one device and the two-host suite leaves them out.
 
 mod common;
 
@@ -60,7 +60,7 @@ async fn call(address: &str, method: &str) -> Result<Bytes, String> {
 /// server counts the calls that reached it: only the authenticated ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn only_clients_that_prove_the_secret_get_a_handler_to_run() {
+async fn only_clients_that_prove_the_secret_get_a_handler_to_run_across_the_wire() {
     let env = TestEnv::from_env();
     const KEY: &str = "the cluster's secret, 32 bytes..";
     let reached = Arc::new(AtomicUsize::new(0));

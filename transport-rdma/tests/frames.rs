@@ -4,8 +4,10 @@
 //! keeps every frame, small frames passing a 64 MiB one, a peer process
 //! killed mid-stream.
 //!
-//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`); in a
-//! two-host run each side runs these over its own device.
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`). In a
+//! two-host run `frames_across_the_wire` crosses the wire between the
+//! guests; the other tests use one device and the two-host suite leaves
+//! them out.
 
 mod common;
 
@@ -631,18 +633,7 @@ async fn frames_across_the_wire() {
             assert_eq!(echoed as usize, sizes.len(), "frames the server echoed");
         }
         common::Role::Client => {
-            let target = format!("{}:{WIRE_PORT}", env.peer.expect("checked"));
-            let started = Instant::now();
-            let mut conn = loop {
-                match cfg.connect(&target, LIMITS).await {
-                    Ok(conn) => break conn,
-                    Err(e) if started.elapsed() < Duration::from_secs(90) => {
-                        eprintln!("connecting to {target}: {e}; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                    Err(e) => panic!("connecting to {target}: {e}"),
-                }
-            };
+            let mut conn = env.connect_to_peer(&cfg, WIRE_PORT, LIMITS).await;
             for (i, &n) in sizes.iter().enumerate() {
                 send(&conn.sink, i as u64, &payload(i, n))
                     .await

@@ -3,8 +3,8 @@
 //! a bounded time and nothing hangs.
 //!
 //! - `a_link_down_fails_calls_in_flight_and_the_device_recovers`: client
-//!   and server in one process, over this host's device (in a two-host run
-//!   each guest runs it on its own). Two connections: one idle (20 sleeping
+//!   and server in one process, over this host's device (the two-host
+//!   suite leaves it out). Two connections: one idle (20 sleeping
 //!   unary calls: nothing is posted on it after their requests) and one
 //!   busy (an endless server stream, read as fast as it comes). The device
 //!   reports `IBV_EVENT_PORT_ERR`; the test checks that the idle
@@ -12,15 +12,15 @@
 //!   nothing else could fail them before rpc-core's keepalive (20 s by
 //!   default). The busy one must fail with `Unavailable` too, on whichever
 //!   path comes first.
-//! - `a_wire_cut_mid_call_fails_both_ends`: in a two-host run, the client
-//!   guest cuts its own link mid-call. Its calls fail on the port error; the
+//! - `a_cut_mid_call_fails_both_ends_across_the_wire`: in a two-host run,
+//!   the client guest cuts its own link mid-call. Its calls fail on the port error; the
 //!   server, whose port stays up, hears nothing more and must notice by
 //!   itself: its handlers on the idle connection must end within 10 s of
 //!   all running (keepalive of 1 s + 1 s here). The client keeps its link
 //!   down longer than that bound, so the server cannot learn of the failure
 //!   from a disconnect after the link comes back. With one host the same
 //!   client and server run in one process (both fail on the port error).
-//! - `a_wire_cut_fails_an_idle_stream_at_both_ends`: the same cut under
+//! - `a_cut_fails_an_idle_stream_at_both_ends_across_the_wire`: the same cut under
 //!   an idle `RdmaStream` (1 s stream keepalive): the client's stream fails
 //!   on the port error, the server's when its keepalive probe goes
 //!   unacknowledged (observed ~3 s after the last exchange). rxe's own RC
@@ -737,7 +737,7 @@ async fn child_wire_cut() {
 /// handlers end within a bound though the server hears nothing more.
 #[test]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-fn a_wire_cut_mid_call_fails_both_ends() {
+fn a_cut_mid_call_fails_both_ends_across_the_wire() {
     let env = TestEnv::from_env();
     // The server of a two-host run keeps its link up.
     let mut restore = (env.role != Role::Server).then(|| DeviceRestore::new(&env));
@@ -848,7 +848,7 @@ async fn child_stream_wire_cut() {
 /// its keepalive's probe running out of retries.
 #[test]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-fn a_wire_cut_fails_an_idle_stream_at_both_ends() {
+fn a_cut_fails_an_idle_stream_at_both_ends_across_the_wire() {
     let env = TestEnv::from_env();
     let mut restore = (env.role != Role::Server).then(|| DeviceRestore::new(&env));
     run_child("child_stream_wire_cut");

@@ -3,8 +3,8 @@
 //! stays within the documented budget per connection, and closing them
 //! returns it.
 //!
-//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP`; in a two-host run each side
-//! runs it over its own device.
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP`. Uses one device; the
+//! two-host suite leaves it out.
 
 mod common;
 use rpc_test_support as support;
@@ -376,8 +376,7 @@ const SCALE_CLOSE_SECS: u64 = 180;
 /// a refused one is retried anyway).
 const SCALE_CONCURRENT_SETUPS: usize = 32;
 
-/// Issue 14: 2,000 connections (4,000 ends in one process; in a two-host
-/// run, each host runs it over its own device) with a small geometry, every
+/// Issue 14: 2,000 connections (4,000 ends in one process) with a small geometry, every
 /// one echoing an inline and two region frames (256 connections calling at
 /// once), then all closed at once. Asserts: registered memory while open within the budget of
 /// 20 KiB per end (8 x 512 B ring, 16 x 512 B send slots, 4 KiB region,

@@ -4,8 +4,8 @@
 //! the device's events are counted from its first connection; connections
 //! count open on both sides, then closed.
 //!
-//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP`; in a two-host run each side
-//! runs it over its own device.
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP`. Uses one device; the
+//! two-host suite leaves it out.
 
 mod common;
 use rpc_test_support as support;

@@ -45,18 +45,10 @@ fn call(frame: &Bytes) -> u64 {
     u64::from_le_bytes(frame[4..12].try_into().unwrap())
 }
 
-fn skip_unless_both(env: &TestEnv) -> bool {
-    // The pair helper runs both ends in this process.
-    env.role != Role::Both
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     let threshold = 64 << 10;
     let cfg = RdmaTransport::default().rendezvous_threshold(Some(threshold));
     let limits = FrameLimits {
@@ -138,9 +130,6 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_released_destination_is_reused_for_the_next_frame_of_its_size() {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let limits = FrameLimits {
         max_frame_len: (4 << 20) + 4096,
@@ -209,9 +198,10 @@ async fn a_side_without_the_rendezvous_gets_large_frames_through_the_region() {
 /// Port of `rendezvous_across_the_wire`'s server in a two-host run.
 const WIRE_PORT: u16 = 7491;
 
-/// In a two-host run, frames around the default threshold up to 64 MiB
-/// go by rendezvous from one guest to the other: byte-exact, in the
-/// receiver's pool. (One host: `frames_around_the_threshold_...`.)
+/// Frames around the default threshold up to 64 MiB go by rendezvous from
+/// the client to the server: byte-exact, in the receiver's pool. In a
+/// two-host run they cross the wire from one guest to the other; with one
+/// host both ends run in this process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn rendezvous_across_the_wire() {
@@ -225,20 +215,10 @@ async fn rendezvous_across_the_wire() {
     let limits = FrameLimits {
         max_frame_len: (64 << 20) + 4096,
     };
-    match env.role {
-        Role::Both => eprintln!("a two-host test: nothing to do on one host"),
-        Role::Server => {
-            let mut listener = cfg
-                .listen(&format!("{}:{WIRE_PORT}", env.ip), limits)
-                .await
-                .expect("listens");
-            let mut conn = tokio::time::timeout(
-                Duration::from_secs(120),
-                std::future::poll_fn(|cx| listener.poll_accept(cx)),
-            )
-            .await
-            .expect("the client came")
-            .expect("accepts");
+    // The server checks each frame, then acknowledges it.
+    let serve = |mut conn: Connection| {
+        let sizes = sizes.clone();
+        async move {
             for (i, &len) in sizes.iter().enumerate() {
                 let got = recv(&mut conn).await;
                 assert_eq!(got.len(), HEAD_LEN + len, "frame {i} length");
@@ -254,19 +234,11 @@ async fn rendezvous_across_the_wire() {
                     .expect("acknowledged");
             }
         }
-        Role::Client => {
-            let target = format!("{}:{WIRE_PORT}", env.peer.expect("checked"));
-            let started = std::time::Instant::now();
-            let mut conn = loop {
-                match cfg.connect(&target, limits).await {
-                    Ok(conn) => break conn,
-                    Err(e) if started.elapsed() < Duration::from_secs(90) => {
-                        eprintln!("connecting to {target}: {e}; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                    Err(e) => panic!("connecting to {target}: {e}"),
-                }
-            };
+    };
+    // The client sends each frame and waits for its acknowledgement.
+    let drive = |mut conn: Connection| {
+        let sizes = sizes.clone();
+        async move {
             for (i, &len) in sizes.iter().enumerate() {
                 send(&conn.sink, i as u64, &payload(i, len))
                     .await
@@ -275,6 +247,27 @@ async fn rendezvous_across_the_wire() {
                 assert!(ack.ends_with(b"ok"), "frame {i} acknowledged");
             }
         }
+    };
+    match env.role {
+        Role::Both => {
+            let (client, server) = env.pair(&cfg, limits).await;
+            tokio::join!(serve(server), drive(client));
+        }
+        Role::Server => {
+            let mut listener = cfg
+                .listen(&format!("{}:{WIRE_PORT}", env.ip), limits)
+                .await
+                .expect("listens");
+            let conn = within(
+                STEP,
+                "waiting for the client guest",
+                std::future::poll_fn(|cx| listener.poll_accept(cx)),
+            )
+            .await
+            .expect("accepts");
+            serve(conn).await;
+        }
+        Role::Client => drive(env.connect_to_peer(&cfg, WIRE_PORT, limits).await).await,
     }
 }
 
@@ -282,9 +275,6 @@ async fn rendezvous_across_the_wire() {
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn small_calls_flow_while_large_transfers_are_read_and_a_full_pool_waits() {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     // A pool of four 2 MiB frames (each charged in whole pages, its head
     // included): four transfers at a time.
     let cfg = RdmaTransport::default()
@@ -395,9 +385,6 @@ async fn child_sender() {
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back() {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     // Reads rendezvous transfers, as the child's side does.
     let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let limits = FrameLimits {
@@ -491,16 +478,13 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
 
 /// Not a check: one-way push throughput by frame size through the region
 /// (rendezvous off) and by rendezvous, printed for choosing the default
-/// threshold; runs only with `RDV_MEASURE=1` (then in the same guest boot
-/// as `ib_read_bw`, for ratios).
+/// threshold (run by hand in the same guest boot as `ib_read_bw`, for
+/// ratios; the device suite leaves `measure_*` out).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn measure_push_throughput() {
-    let Some((env, limits, sizes)) =
-        measuring(&[64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20])
-    else {
-        return;
-    };
+    let (env, limits, sizes) =
+        measuring(&[64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]);
     for (name, threshold) in [("region", None), ("rendezvous", Some(4096))] {
         let cfg = RdmaTransport::default().rendezvous_threshold(threshold);
         let (client, mut server) = env.pair(&cfg, limits).await;
@@ -528,18 +512,11 @@ async fn measure_push_throughput() {
     }
 }
 
-/// For a one-host measurement run with `RDV_MEASURE=1`: the test's
-/// environment, limits admitting 64 MiB frames, and the sizes to measure
-/// (`RDV_SIZES`, comma-separated, or `default`); `None` otherwise.
-fn measuring(default: &[usize]) -> Option<(TestEnv, FrameLimits, Vec<usize>)> {
-    if std::env::var_os("RDV_MEASURE").is_none() {
-        eprintln!("set RDV_MEASURE=1 to measure");
-        return None;
-    }
+/// For a measurement: the test's environment, limits admitting 64 MiB
+/// frames, and the sizes to measure (`RDV_SIZES`, comma-separated, or
+/// `default`).
+fn measuring(default: &[usize]) -> (TestEnv, FrameLimits, Vec<usize>) {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return None;
-    }
     let limits = FrameLimits {
         max_frame_len: (64 << 20) + 4096,
     };
@@ -547,21 +524,19 @@ fn measuring(default: &[usize]) -> Option<(TestEnv, FrameLimits, Vec<usize>)> {
         Ok(list) => list.split(',').map(|s| s.parse().unwrap()).collect(),
         Err(_) => default.to_vec(),
     };
-    Some((env, limits, sizes))
+    (env, limits, sizes)
 }
 
 /// What payload buffers save a sender: one-way pushes by rendezvous where
 /// each frame's payload is written (copied from a prepared tensor, as an
 /// application produces its gradient) into a fresh heap `Vec` (registered
 /// where it lies for the transfer), against into a payload buffer from the
-/// connection's pool (reused, read through a memory window). Run with
-/// `RDV_MEASURE=1` (prints `@@fill` lines; `RDV_SIZES` as above).
+/// connection's pool (reused, read through a memory window). Run by hand
+/// (prints `@@fill` lines; `RDV_SIZES` as above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn measure_push_from_payload_buffers() {
-    let Some((env, limits, sizes)) = measuring(&[256 << 10, 1 << 20, 4 << 20, 16 << 20]) else {
-        return;
-    };
+    let (env, limits, sizes) = measuring(&[256 << 10, 1 << 20, 4 << 20, 16 << 20]);
     let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
     let (client, mut server) = env.pair(&cfg, limits).await;
     for &size in &sizes {
@@ -603,15 +578,11 @@ async fn measure_push_from_payload_buffers() {
 /// What a rendezvous sender pays per frame, by payload size: registering
 /// the application's `Bytes` where they lie (and deregistering), against
 /// copying them into a fresh registration (what it did before), and a
-/// plain copy. Run with `RDV_MEASURE=1` (prints `@@register` lines).
+/// plain copy. Run by hand (prints `@@register` lines).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn measure_register_in_place_against_copy() {
     use transport_rdma::verbs::{Access, CmId, EventChannel, MemoryRegion, ProtectionDomain};
-    if std::env::var_os("RDV_MEASURE").is_none() {
-        eprintln!("set RDV_MEASURE=1 to measure");
-        return;
-    }
     let env = TestEnv::from_env();
     let channel = EventChannel::new().expect("event channel");
     let mut id = CmId::new(&channel).expect("cm id");
@@ -692,9 +663,6 @@ async fn payload_buffer(sink: &Arc<dyn FrameSink>, len: usize) -> rpc_core::Payl
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn payload_buffers_are_read_through_a_window_with_no_copy() {
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     let threshold = 64 << 10;
     let cfg = RdmaTransport::default()
         .rendezvous_threshold(Some(threshold))
@@ -786,9 +754,6 @@ async fn payload_buffers_are_read_through_a_window_with_no_copy() {
 async fn calls_send_payload_buffers_both_ways() {
     use rpc_core::{BytesCodec, Client, Request};
     let env = TestEnv::from_env();
-    if skip_unless_both(&env) {
-        return;
-    }
     rpc_core::transport::register(Arc::new(
         RdmaTransport::default().rendezvous_threshold(Some(64 << 10)),
     ));

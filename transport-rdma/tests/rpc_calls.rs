@@ -2,8 +2,9 @@
 //! `rdma://` on a real device: every call kind, failures, flow control,
 //! kills, and payload sizes around every threshold of this transport.
 //!
-//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`); in a
-//! two-host run each side runs these over its own device.
+//! Needs `RDMA_TEST_DEVICE` / `RDMA_TEST_IP` (see `verbs_smoke.rs`). They
+//! use one device, client and server in one process: the two-host suite
+//! leaves them out (it runs the tests named `…_across_the_wire`).
 
 mod common;
 use rpc_test_support as support;

@@ -2,9 +2,10 @@
 //! random write and read sizes (1 B to 16 MiB), half-close, a peer process
 //! killed mid-transfer, a hundred streams at once within their memory.
 //!
-//! In a two-host run the random exchange crosses the wire between the
-//! guests (the server role serves, the client role connects); the other
-//! tests run over each guest's own device.
+//! In a two-host run the random exchange (`…_across_the_wire`) crosses the
+//! wire between the guests (the server role serves, the client role
+//! connects); the other tests use one device and the two-host suite leaves
+//! them out.
 //!
 //! The test binary re-runs itself as the child of the peer-death test (the
 //! `child_*` test, which does nothing unless its parent set its variable).
@@ -150,7 +151,7 @@ async fn pair(env: &TestEnv) -> (RdmaStream, RdmaStream) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn random_bytes_both_ways_at_once_arrive_exact() {
+async fn random_bytes_both_ways_at_once_arrive_exact_across_the_wire() {
     let env = TestEnv::from_env();
     let (server_seed, client_seed) = (0x5e7e_7001, 0xc11e_7002);
     match env.role {

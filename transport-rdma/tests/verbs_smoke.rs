@@ -63,7 +63,7 @@ fn device_opens_and_port_is_active() {
 
 #[test]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-fn send_recv_and_rdma_write_over_rc() {
+fn send_recv_and_rdma_write_over_rc_across_the_wire() {
     let env = TestEnv::from_env();
     let listen = SocketAddr::new(env.ip, PORT);
     match env.role {

@@ -107,7 +107,39 @@ impl TestEnv {
         .await;
         (client.expect("connects"), server.expect("accepts"))
     }
+
+    /// The client of a two-host run: connects to `port` on the server
+    /// guest, retrying while that guest's test has yet to listen (the
+    /// guests run at their own pace); fails the test after 90 s.
+    pub async fn connect_to_peer(
+        &self,
+        transport: &transport_rdma::RdmaTransport,
+        port: u16,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> rpc_core::transport::Connection {
+        use rpc_core::transport::Transport;
+        let target = format!("{}:{port}", self.peer.expect("a client has a peer"));
+        let started = std::time::Instant::now();
+        let mut said = false;
+        loop {
+            match transport.connect(&target, limits).await {
+                Ok(conn) => return conn,
+                Err(e) if started.elapsed() < PEER_PATIENCE => {
+                    if !std::mem::replace(&mut said, true) {
+                        eprintln!("connecting to {target}: {e}; retrying every {PEER_RETRY:?}");
+                    }
+                    tokio::time::sleep(PEER_RETRY).await;
+                }
+                Err(e) => panic!("connecting to {target} for {PEER_PATIENCE:?}: {e}"),
+            }
+        }
+    }
 }
+
+/// How long a two-host client retries while its server guest catches up.
+pub const PEER_PATIENCE: Duration = Duration::from_secs(90);
+/// Between a two-host client's attempts.
+pub const PEER_RETRY: Duration = Duration::from_millis(100);
 
 /// Longer than a connection's set-up takes at its own limits (10 s a step).
 pub const SET_UP_LIMIT: Duration = Duration::from_secs(60);

@@ -1,7 +1,8 @@
-# The device suite in the guest: every ignored test of the test executables
-# given as arguments, each in a process of its own, each under a time limit.
+# The device suite in the guest: the ignored tests of the test executables
+# given as arguments whose names end in SUFFIX (all of them when SUFFIX is
+# empty), each in a process of its own, each under a time limit.
 #
-#   sh device_suite.sh LIMIT_SECS EXECUTABLE...
+#   sh device_suite.sh LIMIT_SECS SUFFIX EXECUTABLE...
 #
 # A test still running after LIMIT_SECS fails: its threads' stacks are
 # printed (gdb), it is killed, and the suite goes on with the next one. The
@@ -9,14 +10,20 @@
 # minute or more are named with their time (a hang in the making).
 #
 # `child_*` tests are halves their parents run in another process; alone
-# they fail, so the suite skips them.
+# they fail. `measure_*` tests print figures for docs/benchmarks.md and
+# check nothing; they are run by hand. The suite leaves both out. A suite
+# that selects no test at all fails.
 limit=$1
-shift
+suffix=$2
+shift 2
 failed=""
+ran=0
 for t in "$@"; do
+    names=$("$t" --list --ignored | sed -n 's/: test$//p' | grep -v '^child_\|^measure_' | grep -- "$suffix\$")
+    [ -n "$names" ] || continue
     echo "== $t"
-    names=$("$t" --list --ignored | sed -n 's/: test$//p' | grep -v 'child_')
     for name in $names; do
+        ran=$((ran + 1))
         started=$(date +%s)
         "$t" --ignored --exact "$name" --test-threads=1 &
         pid=$!
@@ -35,6 +42,10 @@ for t in "$@"; do
         [ "$took" -lt 60 ] || echo "xtask: $name took $took s"
     done
 done
+if [ "$ran" = 0 ]; then
+    echo "xtask: no device test's name ends in '$suffix'"
+    exit 1
+fi
 if [ -n "$failed" ]; then
     echo "xtask: device tests failed:$failed"
     exit 1
