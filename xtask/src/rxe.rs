@@ -90,10 +90,10 @@ const CLIENT_IP: &str = "10.79.0.2";
 const DEFAULT_TIMEOUT_SECS: u64 = 600;
 /// Limit of one run of the whole device suite (`cargo xtask test`), unless
 /// `RXE_TIMEOUT` says otherwise: with a process per test, one host takes
-/// 11–18 minutes on a 2-core machine and two hosts 19–26 (1,137 s in the CI
-/// run of `a28ca95`, 1,536 s in that of `39fb152`; each client test waits
-/// for its server's new process). A
-/// hung test costs its own limit (`DEVICE_TEST_LIMIT_SECS`), not this one.
+/// 11–18 minutes on a 2-core machine (1,008 s in the CI run of `39fb152`),
+/// two hosts, which run only the tests across the wire, ~3 (163 s at
+/// `4792903`). A hung test costs its own limit (`DEVICE_TEST_LIMIT_SECS`),
+/// not this one.
 const DEVICE_SUITE_TIMEOUT_SECS: u64 = 2400;
 /// Peer pings (1 s each at most) before a two-hosts guest gives up.
 const PEER_WAIT_TRIES: u32 = 90;
@@ -460,15 +460,16 @@ pub(crate) fn run_captured(
 /// own, and the examples' (tonic over `RdmaStream`).
 const DEVICE_TEST_PACKAGES: &[&str] = &["transport-rdma", "examples"];
 
-/// Runs the device suite in the guest: `sh -c DEVICE_SUITE sh LIMIT
-/// EXECUTABLE...` (each test in its own process, under a time limit).
+/// Runs the device suite in the guest: `sh -c DEVICE_SUITE sh LIMIT SUFFIX
+/// EXECUTABLE...` (each test named `…SUFFIX` in its own process, under a
+/// time limit).
 const DEVICE_SUITE: &str = include_str!("rxe/device_suite.sh");
 
-/// Limit of one device test in [`DEVICE_SUITE`]: the longest took 69–72 s
-/// in two guests on a 2-core machine in the CI run of `a28ca95`, and up to
-/// 203 s (`two_thousand_connections_…`) on a slower day (`39fb152`). One
-/// that hangs fails with its threads' stacks instead of taking the whole
-/// suite's time.
+/// Limit of one device test in [`DEVICE_SUITE`]: the longest took 110 s in
+/// one guest on a 2-core machine in the CI run of `39fb152`, and up to 203 s
+/// (`two_thousand_connections_…`, each guest running it on its own) when
+/// two guests ran every test. One that hangs fails with its threads' stacks
+/// instead of taking the whole suite's time.
 const DEVICE_TEST_LIMIT_SECS: u64 = 600;
 
 /// How the device tests that cross the wire in a two-host run end their
