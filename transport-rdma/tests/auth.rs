@@ -99,17 +99,12 @@ async fn only_clients_that_prove_the_secret_get_a_handler_to_run_across_the_wire
     };
     // With the secret (retrying while a two-host server starts).
     register(with_secret(KEY));
-    let started = Instant::now();
-    let identity = loop {
-        match call(&address, "Identity").await {
-            Ok(identity) => break identity,
-            Err(e) if started.elapsed() < Duration::from_secs(90) => {
-                eprintln!("calling {address}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(e) => panic!("an authenticated client was not served: {e}"),
-        }
-    };
+    let identity = common::retrying(
+        common::PEER_PATIENCE,
+        "an authenticated client was not served",
+        || call(&address, "Identity"),
+    )
+    .await;
     assert_eq!(
         &identity[..],
         b"rdma-secret",

@@ -421,19 +421,12 @@ struct InFlight {
 /// A client of `address`, retrying for up to `patience` (the server may
 /// not listen yet: in a two-host run the guests run at their own pace).
 async fn connect(address: &str, patience: Duration) -> Client {
-    let started = Instant::now();
-    loop {
-        match Endpoint::new(address).unwrap().connect().await {
-            Ok(channel) => return Client::new(channel),
-            Err(e) => {
-                assert!(
-                    started.elapsed() < patience,
-                    "the server at {address} never answered: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-    }
+    let failing = format!("the server at {address} never answered");
+    let channel = common::retrying(patience, &failing, || {
+        Endpoint::new(address).unwrap().connect()
+    })
+    .await;
+    Client::new(channel)
 }
 
 /// Starts the sleeping calls on `idle` and the stream on `busy` (two
@@ -786,17 +779,11 @@ async fn stream_wire_server(address: &str) {
 async fn stream_wire_client(env: &TestEnv, address: &str) {
     let mut link = LinkCut::new(env);
     let cfg = RdmaTransport::default().stream_keepalive(Some(KEEPALIVE));
-    let started = Instant::now();
-    let mut stream = loop {
-        match cfg.connect_stream(address).await {
-            Ok(stream) => break stream,
-            Err(e) if started.elapsed() < Duration::from_secs(180) => {
-                eprintln!("connecting to {address}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(e) => panic!("connecting to {address}: {e}"),
-        }
-    };
+    let failing = format!("connecting to {address}");
+    let mut stream = common::retrying(Duration::from_secs(180), &failing, || {
+        cfg.connect_stream(address)
+    })
+    .await;
     stream.write_all(b"ready").await.expect("writes ready");
     let mut go = [0; 2];
     stream.read_exact(&mut go).await.expect("reads go");

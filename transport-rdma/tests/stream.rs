@@ -118,17 +118,11 @@ async fn exchange(stream: RdmaStream, mine: u64, theirs: u64) {
 }
 
 async fn connect_retrying(addr: &str) -> RdmaStream {
-    let started = Instant::now();
-    loop {
-        match RdmaStream::connect(addr).await {
-            Ok(stream) => return stream,
-            Err(e) if started.elapsed() < Duration::from_secs(90) => {
-                eprintln!("connecting to {addr}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(e) => panic!("connecting to {addr}: {e}"),
-        }
-    }
+    let failing = format!("connecting to {addr}");
+    common::retrying(common::PEER_PATIENCE, &failing, || {
+        RdmaStream::connect(addr)
+    })
+    .await
 }
 
 async fn accept(listener: &mut RdmaListener) -> RdmaStream {

@@ -110,7 +110,7 @@ impl TestEnv {
 
     /// The client of a two-host run: connects to `port` on the server
     /// guest, retrying while that guest's test has yet to listen (the
-    /// guests run at their own pace); fails the test after 90 s.
+    /// guests run at their own pace); fails the test after [`PEER_PATIENCE`].
     pub async fn connect_to_peer(
         &self,
         transport: &transport_rdma::RdmaTransport,
@@ -119,19 +119,34 @@ impl TestEnv {
     ) -> rpc_core::transport::Connection {
         use rpc_core::transport::Transport;
         let target = format!("{}:{port}", self.peer.expect("a client has a peer"));
-        let started = std::time::Instant::now();
-        let mut said = false;
-        loop {
-            match transport.connect(&target, limits).await {
-                Ok(conn) => return conn,
-                Err(e) if started.elapsed() < PEER_PATIENCE => {
-                    if !std::mem::replace(&mut said, true) {
-                        eprintln!("connecting to {target}: {e}; retrying every {PEER_RETRY:?}");
-                    }
-                    tokio::time::sleep(PEER_RETRY).await;
+        retrying(PEER_PATIENCE, &format!("connecting to {target}"), || {
+            transport.connect(&target, limits)
+        })
+        .await
+    }
+}
+
+/// Awaits `attempt()` again every [`PEER_RETRY`] while it fails, for up to
+/// `patience`: a client whose server (in the other guest, or a child
+/// process) may not listen yet. Then fails the test with `failing` and
+/// the last error.
+pub async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    patience: Duration,
+    failing: &str,
+    mut attempt: impl FnMut() -> F,
+) -> T {
+    let started = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        match attempt().await {
+            Ok(done) => return done,
+            Err(e) if started.elapsed() < patience => {
+                if !std::mem::replace(&mut said, true) {
+                    eprintln!("{e}: retrying every {PEER_RETRY:?} for up to {patience:?}");
                 }
-                Err(e) => panic!("connecting to {target} for {PEER_PATIENCE:?}: {e}"),
+                tokio::time::sleep(PEER_RETRY).await;
             }
+            Err(e) => panic!("{failing}: {e}"),
         }
     }
 }
