@@ -60,6 +60,9 @@
 //! from the transport's [read budget](TcpTransport::read_budget) first,
 //! and then the buffer makes room for all of it at once, so the rest of
 //! it is read in place (no copy each time the buffer would have doubled).
+//! That room is, when one is free, the buffer of an earlier frame of 1 MiB
+//! or more that the application has dropped
+//! ([`kept_buffers`](TcpTransport::kept_buffers)), its pages mapped already.
 //!
 //! # Listening
 //! A connection reset by its client before it was accepted is dropped
@@ -85,6 +88,7 @@
 //! behind the last large frame.
 
 mod budget;
+pub mod kept;
 mod outgoing;
 #[doc(hidden)]
 pub mod reader;
@@ -109,6 +113,7 @@ use rpc_core::transport::{
 };
 
 use budget::ReadBudget;
+use kept::KeptBuffers;
 use outgoing::{Bulk, Outgoing, Pace, INTERLEAVED};
 use reader::FrameReader;
 use tokio::io::AsyncRead;
@@ -128,6 +133,7 @@ pub struct TcpTransport {
     write_high_water: usize,
     dead_peer_timeout: Duration,
     read_budget: Arc<ReadBudget>,
+    kept: Arc<KeptBuffers>,
 }
 
 /// The default of [`TcpTransport::read_budget`]: 256 MiB.
@@ -139,6 +145,7 @@ impl Default for TcpTransport {
             write_high_water: 1024 * 1024,
             dead_peer_timeout: Duration::from_secs(30),
             read_budget: ReadBudget::new(DEFAULT_READ_BUDGET),
+            kept: Arc::new(KeptBuffers::new(DEFAULT_READ_BUDGET)),
         }
     }
 }
@@ -201,6 +208,25 @@ impl TcpTransport {
         self
     }
 
+    /// Bytes of buffers that frames of 1 MiB and more were received into,
+    /// kept once the application drops them so the next such frame is read
+    /// into memory already mapped (default [`DEFAULT_READ_BUDGET`], 256
+    /// MiB; 0 keeps none), across all of this transport's connections.
+    ///
+    /// A new buffer's pages are faulted in and zeroed by the kernel as
+    /// bytes arrive (glibc unmaps chunks over 32 MiB on free, so each such
+    /// frame got fresh pages): a parameter-server worker pulling two
+    /// 64 MiB tensors from each of two shards a round over loopback pulled
+    /// 1.18× faster with the buffers kept (16 MiB × 4: 1.24×). A kept
+    /// buffer is reused for a frame of half its size up to its size, once
+    /// every view of its last frame is dropped; past the limit the oldest
+    /// are forgotten. So up to this much memory stays mapped after a burst
+    /// of large frames, on top of the frames the application holds.
+    pub fn kept_buffers(mut self, bytes: usize) -> TcpTransport {
+        self.kept = Arc::new(KeptBuffers::new(bytes));
+        self
+    }
+
     fn wrap(&self, stream: TcpStream, limits: FrameLimits) -> Result<Connection, TransportError> {
         self.configure(&stream)
             .map_err(|e| TransportError::io("configure the TCP socket", e))?;
@@ -251,7 +277,7 @@ impl TcpTransport {
             sink: Arc::new(TcpSink { shared }),
             source: Box::new(TcpSource {
                 socket: read,
-                reader: FrameReader::new(limits),
+                reader: FrameReader::new(limits).keeping_buffers_in(Arc::clone(&self.kept)),
                 budget: Arc::clone(&self.read_budget),
                 claimed: 0,
                 received,

@@ -29,10 +29,14 @@
 //! assert_eq!(reader.next_frame().unwrap().unwrap(), "abc");
 //! ```
 
-use std::io;
+use std::{io, mem};
+
+use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
+
+use crate::kept::KeptBuffers;
 
 /// Bytes asked of the socket per read when no partial frame needs more.
 /// Frames up to this size never need the process's read budget.
@@ -84,6 +88,9 @@ pub struct FrameReader {
     reserved: Option<Lane>,
     /// The last frame handed up came from the bulk stream.
     after_bulk: bool,
+    /// Where the buffers of frames room was made for go once handed up,
+    /// and come from.
+    kept: Option<Arc<KeptBuffers>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +108,25 @@ impl FrameReader {
             piece_left: 0,
             reserved: None,
             after_bulk: false,
+            kept: None,
+        }
+    }
+
+    /// Makes room for large frames in buffers `kept` holds when one is
+    /// free, and gives it their buffers once handed up
+    /// ([`reserve_frame`](Self::reserve_frame)).
+    pub fn keeping_buffers_in(mut self, kept: Arc<KeptBuffers>) -> FrameReader {
+        self.kept = Some(kept);
+        self
+    }
+
+    /// The frame room was made for in `lane` was handed up: its buffer
+    /// goes to the kept ones.
+    fn reservation_ended(&mut self, lane: Lane) {
+        if self.reserved == Some(lane) {
+            self.reserved = None;
+            let kept = self.kept.clone();
+            self.stream(lane).give_room_back(kept.as_deref());
         }
     }
 
@@ -141,9 +167,7 @@ impl FrameReader {
             if !self.bulk.buf.is_empty() {
                 if let Some(frame) = self.bulk.next_frame()? {
                     self.after_bulk = true;
-                    if self.reserved == Some(Lane::Bulk) {
-                        self.reserved = None;
-                    }
+                    self.reservation_ended(Lane::Bulk);
                     return Ok(Some(frame));
                 }
             }
@@ -170,9 +194,7 @@ impl FrameReader {
         let frame = self.main.next_frame()?;
         if frame.is_some() {
             self.after_bulk = false;
-            if self.reserved == Some(Lane::Main) {
-                self.reserved = None;
-            }
+            self.reservation_ended(Lane::Main);
         }
         Ok(frame)
     }
@@ -210,7 +232,8 @@ impl FrameReader {
         } else {
             return;
         };
-        self.stream(lane).reserve_frame();
+        let kept = self.kept.clone();
+        self.stream(lane).reserve_frame(kept.as_deref());
         self.reserved = Some(lane);
     }
 
@@ -318,6 +341,9 @@ struct FrameStream {
     skip: usize,
     /// The last frame handed up was larger than [`READ_CHUNK`].
     after_large: bool,
+    /// The capacity of the buffer room was made in for the frame at the
+    /// front (0: none made).
+    room: usize,
 }
 
 impl FrameStream {
@@ -328,6 +354,7 @@ impl FrameStream {
             limits,
             skip: 0,
             after_large: false,
+            room: 0,
         }
     }
 
@@ -409,20 +436,33 @@ impl FrameStream {
     /// the buffer doubles (as much again as the frame, in all). This
     /// reserves address space for the announced length; its pages are
     /// touched only as bytes arrive.
-    fn reserve_frame(&mut self) {
+    fn reserve_frame(&mut self, kept: Option<&KeptBuffers>) {
         let Some(len) = self.large_partial_frame() else {
             return;
         };
         // The buffer's own allocation if no frame shares it any more and it
-        // is large enough (a previous frame's: its pages are mapped
-        // already); else a new one, the frame's alone once handed up (so an
-        // application can take it over, `Bytes::try_into_mut`). Not
-        // `reserve`: growing in place (`realloc`) copies the old buffer's
-        // whole capacity, not only the bytes in it.
-        if !self.buf.try_reclaim(PREFIX_LEN + len - self.buf.len()) {
-            let mut room = BytesMut::with_capacity(PREFIX_LEN + len);
+        // is large enough; else a kept one whose frame is gone; else a new
+        // one. The first two are earlier frames' buffers, their pages
+        // mapped already. Not `reserve`: growing in place (`realloc`)
+        // copies the old buffer's whole capacity, not only the bytes in it.
+        let need = PREFIX_LEN + len;
+        if !self.buf.try_reclaim(need - self.buf.len()) {
+            let mut room = kept
+                .and_then(|kept| kept.take(need))
+                .unwrap_or_else(|| BytesMut::with_capacity(need));
             room.extend_from_slice(&self.buf);
             self.buf = room;
+        }
+        self.room = self.buf.capacity();
+    }
+
+    /// The frame room was made for was handed up: what is left of its
+    /// buffer (nothing, read in place as it was) goes to `kept`, to be
+    /// reused once the application drops the frame.
+    fn give_room_back(&mut self, kept: Option<&KeptBuffers>) {
+        let capacity = mem::take(&mut self.room);
+        if let Some(kept) = kept.filter(|_| self.buf.is_empty()) {
+            kept.keep(mem::take(&mut self.buf), capacity);
         }
     }
 
@@ -755,6 +795,31 @@ mod tests {
         // Where the buffer started after the reservation: never moved
         // (copied) as the rest arrived.
         assert_eq!(frame.as_ptr(), start.wrapping_add(PREFIX_LEN));
+    }
+
+    #[test]
+    fn a_large_frame_is_read_into_the_buffer_of_one_the_application_dropped() {
+        let len = 2 << 20;
+        let kept = Arc::new(KeptBuffers::new(64 << 20));
+        let mut r = reader().keeping_buffers_in(Arc::clone(&kept));
+        let receive = |r: &mut FrameReader, byte: u8| {
+            let wire = framed(&vec![byte; len]);
+            r.extend_from_slice(&wire[..READ_CHUNK]);
+            r.reserve_frame();
+            r.extend_from_slice(&wire[READ_CHUNK..]);
+            let frame = r.next_frame().unwrap().unwrap();
+            assert!(frame.iter().all(|&b| b == byte));
+            frame
+        };
+        let first = receive(&mut r, 1);
+        let second = receive(&mut r, 2);
+        assert_ne!(first.as_ptr(), second.as_ptr(), "the first frame lived");
+        let first_at = first.as_ptr();
+        drop(first);
+        let third = receive(&mut r, 3);
+        assert_eq!(third.as_ptr(), first_at, "the first frame's buffer");
+        drop((second, third));
+        assert!(kept.take(len).is_some() && kept.take(len).is_some());
     }
 
     #[test]
