@@ -14,16 +14,24 @@
 //! - `rdma_region/chunk`: one large-payload chunk through the region
 //!   allocator: the writer allocates, the reader checks the announced
 //!   position, frees it and reports, the writer is told (at 4 KiB to
-//!   512 KiB, half of the default 1 MiB region).
+//!   512 KiB, half of the default 1 MiB region);
+//! - `rdma_reassembly/fresh`, `rdma_reassembly/kept`: a frame of 16 or
+//!   64 MiB put back together from 512 KiB region chunks (the copy out of
+//!   the region) and dropped, in a buffer that grows from nothing (fresh
+//!   pages each time: glibc unmaps chunks over 32 MiB on free) or in the
+//!   buffer of the frame before ([`rpc_core::kept::KeptBuffers`]).
 //!
 //! Run with `cargo bench -p benches --bench rdma_proto`.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::sync::Arc;
+
+use rpc_core::kept::KeptBuffers;
 use transport_rdma::proto::{
-    CreditWindow, Delivery, Header, Kind, RecvRing, RegionReader, RegionWriter, FIRST, HEADER_LEN,
-    LAST,
+    Assembled, CreditWindow, Delivery, Header, Kind, Reassembly, RecvRing, RegionReader,
+    RegionWriter, FIRST, HEADER_LEN, LAST,
 };
 
 /// The default ring: 64 slots.
@@ -145,5 +153,37 @@ fn region(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(rdma_proto, headers, credits, region);
+fn reassembly(c: &mut Criterion) {
+    let mut group = c.benchmark_group("rdma_reassembly");
+    group.sample_size(10);
+    let chunk = vec![7u8; 512 << 10];
+    for total in [16usize << 20, 64 << 20] {
+        group.throughput(Throughput::Bytes(total as u64));
+        for kept in [false, true] {
+            let mut r = Reassembly::new(128 << 20, 256 << 20, 64);
+            if kept {
+                r.keep_buffers_in(Arc::new(KeptBuffers::new(256 << 20)));
+            }
+            let name = if kept { "kept" } else { "fresh" };
+            group.bench_function(BenchmarkId::new(name, total >> 20), |b| {
+                b.iter(|| {
+                    let chunks = total / chunk.len();
+                    let mut out = None;
+                    for i in 0..chunks {
+                        let first = if i == 0 { FIRST } else { 0 };
+                        let last = if i == chunks - 1 { LAST } else { 0 };
+                        out = r.chunk(first | last, total as u32, &chunk).expect("valid");
+                    }
+                    match out {
+                        Some(Assembled::Frame(frame)) => black_box(frame.len()),
+                        other => panic!("no frame: {other:?}"),
+                    }
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(rdma_proto, headers, credits, region, reassembly);
 criterion_main!(rdma_proto);

@@ -86,6 +86,7 @@ pub mod fanout;
 pub mod frame;
 pub mod hedging;
 pub mod intercept;
+pub mod kept;
 pub mod metadata;
 pub mod trace;
 pub mod transport;

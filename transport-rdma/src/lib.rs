@@ -128,7 +128,10 @@
 //!   last reference drops; once the application holds half the ring, frames
 //!   are copied out instead, so holding frames never stalls the connection.
 //!   Region frames are copied out once, as they are read: the region is
-//!   freed in order, so a held frame would block all later ones.
+//!   freed in order, so a held frame would block all later ones. A frame
+//!   of 1 MiB or more is copied into the buffer of an earlier one the
+//!   application dropped when one is free ([`RdmaTransport::kept_buffers`]),
+//!   whose pages are mapped already.
 //! - **Completions** arrive on a completion channel registered with tokio
 //!   (`AsyncFd`) and are drained from the CQ in batches of 32, by the
 //!   connection's driver task or by the receiver itself when it looks for
@@ -255,6 +258,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use rpc_core::kept::{KeptBuffers, DEFAULT_KEPT};
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, Listener, RefusalLog, Transport, TransportError,
 };
@@ -334,6 +338,7 @@ pub struct RdmaTransport {
     source_address: Option<std::net::IpAddr>,
     auth_secret: Option<SharedSecret>,
     allowed_peers: Option<Arc<[IpPrefix]>>,
+    kept: Arc<KeptBuffers>,
 }
 
 impl Default for RdmaTransport {
@@ -363,6 +368,7 @@ impl Default for RdmaTransport {
             source_address: None,
             auth_secret: None,
             allowed_peers: None,
+            kept: Arc::new(KeptBuffers::new(DEFAULT_KEPT)),
         }
     }
 }
@@ -588,6 +594,19 @@ impl RdmaTransport {
     /// for room (back pressure), in order.
     pub fn rendezvous_pool(mut self, bytes: u64) -> RdmaTransport {
         self.rendezvous_pool = bytes.max(4096);
+        self
+    }
+
+    /// Bytes of buffers that frames of 1 MiB and more were put back
+    /// together in from region chunks, kept once the application drops
+    /// them so the next such frame is collected in memory already mapped
+    /// (default [`DEFAULT_KEPT`], 256 MiB; 0 keeps none), across all of
+    /// this transport's connections. A kept buffer is reused for a frame
+    /// of half its size up to its size, once every view of its last frame
+    /// is dropped; past the limit the oldest are forgotten. Rendezvous
+    /// frames have their own pool ([`rendezvous_pool`](Self::rendezvous_pool)).
+    pub fn kept_buffers(mut self, bytes: usize) -> RdmaTransport {
+        self.kept = Arc::new(KeptBuffers::new(bytes));
         self
     }
 

@@ -88,7 +88,6 @@
 //! behind the last large frame.
 
 mod budget;
-pub mod kept;
 mod outgoing;
 #[doc(hidden)]
 pub mod reader;
@@ -107,13 +106,13 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rpc_core::frame::{OutFrame, GATHER_THRESHOLD};
+use rpc_core::kept::{KeptBuffers, DEFAULT_KEPT};
 use rpc_core::transport::{
     self, BoxFuture, Connection, FrameLimits, FrameSink, FrameSource, Listener, Transport,
     TransportError,
 };
 
 use budget::ReadBudget;
-use kept::KeptBuffers;
 use outgoing::{Bulk, Outgoing, Pace, INTERLEAVED};
 use reader::FrameReader;
 use tokio::io::AsyncRead;
@@ -145,7 +144,7 @@ impl Default for TcpTransport {
             write_high_water: 1024 * 1024,
             dead_peer_timeout: Duration::from_secs(30),
             read_budget: ReadBudget::new(DEFAULT_READ_BUDGET),
-            kept: Arc::new(KeptBuffers::new(DEFAULT_READ_BUDGET)),
+            kept: Arc::new(KeptBuffers::new(DEFAULT_KEPT)),
         }
     }
 }
@@ -210,8 +209,8 @@ impl TcpTransport {
 
     /// Bytes of buffers that frames of 1 MiB and more were received into,
     /// kept once the application drops them so the next such frame is read
-    /// into memory already mapped (default [`DEFAULT_READ_BUDGET`], 256
-    /// MiB; 0 keeps none), across all of this transport's connections.
+    /// into memory already mapped (default [`DEFAULT_KEPT`], 256 MiB; 0
+    /// keeps none), across all of this transport's connections.
     ///
     /// A new buffer's pages are faulted in and zeroed by the kernel as
     /// bytes arrive (glibc unmaps chunks over 32 MiB on free, so each such

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use bytes::{Buf, Bytes, BytesMut};
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
 
-use crate::kept::KeptBuffers;
+use rpc_core::kept::KeptBuffers;
 
 /// Bytes asked of the socket per read when no partial frame needs more.
 /// Frames up to this size never need the process's read budget.

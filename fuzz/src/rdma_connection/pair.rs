@@ -488,7 +488,7 @@ fn deliver(me: &mut Side) -> bool {
             me.got.push(Got::Frame(bytes));
             me.conn.handle_copied(slot);
         }
-        Delivered::Frame(f) => me.got.push(Got::Frame(f)),
+        Delivered::Frame(f) => me.got.push(Got::Frame(f.to_vec())),
         Delivered::Oversized { len, prefix } => me.got.push(Got::Oversized { len, prefix }),
         Delivered::Eof => me.eof = true,
         other => panic!("{other:?} between honest peers"),

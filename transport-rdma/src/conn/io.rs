@@ -465,7 +465,7 @@ impl FrameSource for RdmaSource {
                     st.proto.handle_copied(slot);
                     break Ok(Some(bytes));
                 }
-                Delivered::Frame(frame) => break Ok(Some(Bytes::from(frame))),
+                Delivered::Frame(frame) => break Ok(Some(frame)),
                 Delivered::Pooled { transfer, len } => {
                     let dest = st
                         .destinations

@@ -435,22 +435,24 @@ impl Established {
         let inline_max = cfg
             .inline_threshold
             .min(peer.slot_size as usize - HEADER_LEN);
+        let mut proto = proto::Connection::new(proto::Config {
+            ring_slots: own.ring_slots,
+            initial_ring_slots: own.initial_slots,
+            slot_size: own.slot_size as usize,
+            region_len: own.region_len.into(),
+            peer_ring_slots: peer.ring_slots,
+            peer_initial_ring_slots: peer.initial_slots,
+            peer_region_len: peer.region_len.into(),
+            inline_max,
+            max_frame_len: limits.max_frame_len,
+            max_skip_len: limits.max_skip_len(),
+            prefix_len: OVERSIZED_PREFIX_LEN,
+            rendezvous,
+        });
+        proto.keep_buffers_in(Arc::clone(&cfg.kept));
         let state = State {
             qp,
-            proto: proto::Connection::new(proto::Config {
-                ring_slots: own.ring_slots,
-                initial_ring_slots: own.initial_slots,
-                slot_size: own.slot_size as usize,
-                region_len: own.region_len.into(),
-                peer_ring_slots: peer.ring_slots,
-                peer_initial_ring_slots: peer.initial_slots,
-                peer_region_len: peer.region_len.into(),
-                inline_max,
-                max_frame_len: limits.max_frame_len,
-                max_skip_len: limits.max_skip_len(),
-                prefix_len: OVERSIZED_PREFIX_LEN,
-                rendezvous,
-            }),
+            proto,
             send_waiters: Vec::new(),
             close_waiters: Vec::new(),
             recv_waker: None,

@@ -23,6 +23,8 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use super::free_slots::FreeSlots;
 use super::rendezvous::{InState, Incoming, OutTransfer};
 use super::{
@@ -569,7 +571,7 @@ pub enum Delivered {
         len: usize,
     },
     /// A frame put back together from region chunks.
-    Frame(Vec<u8>),
+    Frame(Bytes),
     /// A rendezvous frame of `len` bytes, read into transfer `transfer`'s
     /// destination: hand it up in place;
     /// [`handle_pool_released`](Connection::handle_pool_released) once the
@@ -872,6 +874,13 @@ impl Connection {
             transmit: VecDeque::new(),
             wake: Wakeups::default(),
         }
+    }
+
+    /// Puts frames of 1 MiB and more back together in buffers `kept`
+    /// holds when one is free, and gives it their buffers once handed up
+    /// ([`Reassembly::keep_buffers_in`]).
+    pub fn keep_buffers_in(&mut self, kept: std::sync::Arc<rpc_core::kept::KeptBuffers>) {
+        self.reassembly.keep_buffers_in(kept);
     }
 
     /// The lifecycle state.

@@ -9,11 +9,23 @@
 //! buffering), so a connection holds at most about `2 × max_frame_len`
 //! bytes of partial frame; the process, that times its connections.
 //!
+//! A frame of [`KEPT_FROM`](rpc_core::kept::KEPT_FROM) bytes or more is collected in a kept buffer
+//! (of up to twice its total) when one is free ([`Reassembly::keep_buffers_in`]):
+//! memory the process holds already, its pages mapped, that an earlier
+//! frame was collected in and the application dropped. Its buffer goes
+//! back to the kept ones once the frame is handed up. A peer that
+//! announces such a frame and stops holds that buffer, nothing more.
+//!
 //! There is no separate per-process budget of partial-frame bytes: a
 //! receiver over such a budget could only stop reading, and a partial frame
 //! completes only by reading on, so connections each waiting for the budget
 //! another one holds would deadlock. The bound is the one above; limiting
 //! the number of connections (or `max_frame_len`) is how a process caps it.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use rpc_core::kept::KeptBuffers;
 
 use super::header::{FIRST, LAST};
 use super::ProtocolError;
@@ -22,7 +34,7 @@ use super::ProtocolError;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Assembled {
     /// A whole frame.
-    Frame(Vec<u8>),
+    Frame(Bytes),
     /// A frame over `max_frame_len` was skipped; `prefix` is its first bytes.
     Oversized {
         /// Its length.
@@ -40,7 +52,7 @@ pub enum Assembled {
 #[derive(Debug, Clone)]
 enum State {
     Idle,
-    Collecting { total: usize, buf: Vec<u8> },
+    Collecting { total: usize, buf: BytesMut },
     Skipping { total: usize, got: usize },
 }
 
@@ -52,6 +64,7 @@ pub struct Reassembly {
     max_skip_len: usize,
     prefix_len: usize,
     state: State,
+    kept: Option<Arc<KeptBuffers>>,
 }
 
 impl Reassembly {
@@ -63,7 +76,14 @@ impl Reassembly {
             max_skip_len,
             prefix_len,
             state: State::Idle,
+            kept: None,
         }
+    }
+
+    /// Collects frames of [`KEPT_FROM`](rpc_core::kept::KEPT_FROM) bytes or more in buffers `kept`
+    /// holds when one is free, and gives it their buffers once handed up.
+    pub fn keep_buffers_in(&mut self, kept: Arc<KeptBuffers>) {
+        self.kept = Some(kept);
     }
 
     /// The largest frame delivered.
@@ -176,17 +196,20 @@ impl Reassembly {
                 if len != total {
                     return Err(ProtocolError::new("last chunk before the frame's end"));
                 }
-                let mut frame = Vec::new();
+                let mut frame = BytesMut::new();
                 append(&mut frame, len, &mut read);
-                return Ok(Some(Assembled::Frame(frame)));
+                return Ok(Some(Assembled::Frame(frame.freeze())));
             }
             if len >= total {
                 return Err(ProtocolError::new(
                     "frame complete but chunk not marked last",
                 ));
             }
-            // Not `with_capacity(total)`: the peer's claim reserves nothing.
-            let mut buf = Vec::new();
+            // Not `with_capacity(total)`: the peer's claim reserves nothing
+            // (a kept buffer is memory held already).
+            let mut buf = (self.kept.as_deref())
+                .and_then(|kept| kept.take(total))
+                .unwrap_or_default();
             append(&mut buf, len, &mut read);
             self.state = State::Collecting { total, buf };
             return Ok(None);
@@ -213,12 +236,19 @@ impl Reassembly {
             State::Collecting { buf, .. } => {
                 append(buf, len, &mut read);
                 if last {
-                    let State::Collecting { buf, .. } =
+                    let State::Collecting { mut buf, .. } =
                         std::mem::replace(&mut self.state, State::Idle)
                     else {
                         unreachable!()
                     };
-                    return Ok(Some(Assembled::Frame(buf)));
+                    let frame = buf.split().freeze();
+                    if let Some(kept) = &self.kept {
+                        // The rest shares the frame's allocation: reused
+                        // once the application drops the frame.
+                        let capacity = frame.len() + buf.capacity();
+                        kept.keep(buf, capacity);
+                    }
+                    return Ok(Some(Assembled::Frame(frame)));
                 }
             }
             State::Skipping { got: g, .. } => {
@@ -235,7 +265,7 @@ impl Reassembly {
 
 /// Appends `len` bytes that `read` copies out to `buf`, growing it by the
 /// amortised doubling of `Vec` (capacity under twice its length).
-fn append(buf: &mut Vec<u8>, len: usize, read: &mut impl FnMut(usize, &mut [u8])) {
+fn append(buf: &mut BytesMut, len: usize, read: &mut impl FnMut(usize, &mut [u8])) {
     let start = buf.len();
     buf.resize(start + len, 0);
     read(0, &mut buf[start..]);
@@ -250,14 +280,14 @@ mod tests {
         let mut r = Reassembly::new(100, 400, 4);
         assert_eq!(
             r.chunk(FIRST | LAST, 3, b"abc"),
-            Ok(Some(Assembled::Frame(b"abc".to_vec())))
+            Ok(Some(Assembled::Frame(Bytes::from_static(b"abc"))))
         );
         assert_eq!(r.chunk(FIRST, 6, b"ab"), Ok(None));
         assert!(r.in_frame());
         assert_eq!(r.chunk(0, 0, b"cd"), Ok(None));
         assert_eq!(
             r.chunk(LAST, 0, b"ef"),
-            Ok(Some(Assembled::Frame(b"abcdef".to_vec())))
+            Ok(Some(Assembled::Frame(Bytes::from_static(b"abcdef"))))
         );
         assert!(!r.in_frame());
     }
@@ -282,6 +312,33 @@ mod tests {
     }
 
     #[test]
+    fn a_large_frame_is_collected_in_the_buffer_of_one_the_application_dropped() {
+        let (total, chunk) = (2 << 20, 512 << 10);
+        let mut r = Reassembly::new(64 << 20, 128 << 20, 4);
+        r.keep_buffers_in(Arc::new(KeptBuffers::new(64 << 20)));
+        let mut collect = |byte: u8| {
+            let data = vec![byte; chunk];
+            let mut frame = None;
+            for i in 0..total / chunk {
+                let first = if i == 0 { FIRST } else { 0 };
+                let last = if i == total / chunk - 1 { LAST } else { 0 };
+                frame = r.chunk(first | last, total as u32, &data).unwrap();
+            }
+            let Some(Assembled::Frame(frame)) = frame else {
+                panic!("no frame: {frame:?}")
+            };
+            assert!(frame.len() == total && frame.iter().all(|&b| b == byte));
+            frame
+        };
+        let first = collect(1);
+        let second = collect(2);
+        assert_ne!(first.as_ptr(), second.as_ptr(), "the first frame lived");
+        let first_at = first.as_ptr();
+        drop(first);
+        assert_eq!(collect(3).as_ptr(), first_at, "the first frame's buffer");
+    }
+
+    #[test]
     fn chunks_read_by_copy_match_chunks_given_as_slices() {
         let src = b"0123456789";
         let mut r = Reassembly::new(100, 400, 4);
@@ -293,7 +350,7 @@ mod tests {
         assert_eq!(r.chunk_from(FIRST, 10, 4, read(0)), Ok(None));
         assert_eq!(
             r.chunk_from(LAST, 0, 6, read(4)),
-            Ok(Some(Assembled::Frame(src.to_vec())))
+            Ok(Some(Assembled::Frame(Bytes::from_static(src))))
         );
         let mut r = Reassembly::new(4, 400, 3);
         assert_eq!(
@@ -318,7 +375,7 @@ mod tests {
         assert_eq!(r.chunk(LAST, 0, b"efgh"), Ok(None));
         assert_eq!(
             r.chunk(FIRST | LAST, 2, b"ok"),
-            Ok(Some(Assembled::Frame(b"ok".to_vec())))
+            Ok(Some(Assembled::Frame(Bytes::from_static(b"ok"))))
         );
         assert_eq!(
             r.chunk(FIRST, 11, b"x"),

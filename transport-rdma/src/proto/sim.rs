@@ -531,7 +531,7 @@ fn poll(me: &mut Side) -> usize {
                 ));
                 me.conn.handle_copied(slot);
             }
-            Delivered::Frame(f) => me.got.push(Got::Frame(f)),
+            Delivered::Frame(f) => me.got.push(Got::Frame(f.to_vec())),
             Delivered::Pooled { transfer, len } => {
                 let dest = me
                     .destinations

@@ -1,4 +1,7 @@
-//! Buffers that large frames were received into, kept for the next ones.
+//! Buffers that large frames were received into, kept for the next ones:
+//! a transport reads a large frame into one whose frame the application
+//! has dropped, with its pages mapped already, instead of fresh memory the
+//! kernel faults in and zeroes as bytes arrive.
 
 use std::sync::Mutex;
 
@@ -14,6 +17,9 @@ use bytes::BytesMut;
 /// 1 MiB entries).
 pub const KEPT_FROM: usize = 1 << 20;
 
+/// What the transports keep by default: 256 MiB (four 64 MiB tensors).
+pub const DEFAULT_KEPT: usize = 256 << 20;
+
 /// Buffers of large frames handed up, kept (up to a total capacity) so the
 /// next large frame is read into memory whose pages are mapped already.
 ///
@@ -21,8 +27,8 @@ pub const KEPT_FROM: usize = 1 << 20;
 /// split from: it shares its allocation with that frame, and is reused
 /// only once the application has dropped every view of the frame
 /// (`BytesMut::try_reclaim`). So keeping costs no memory while the frame
-/// lives, and a buffer is never handed out twice. Shared by every
-/// connection of a [`TcpTransport`](crate::TcpTransport).
+/// lives, and a buffer is never handed out twice. Shared by a transport's
+/// connections.
 #[derive(Debug)]
 pub struct KeptBuffers {
     limit: usize,
