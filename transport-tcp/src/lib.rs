@@ -208,19 +208,24 @@ impl TcpTransport {
     }
 
     /// Bytes of buffers that frames of 1 MiB and more were received into,
-    /// kept once the application drops them so the next such frame is read
-    /// into memory already mapped (default [`DEFAULT_KEPT`], 256 MiB; 0
-    /// keeps none), across all of this transport's connections.
+    /// kept for the next such frames while the application still holds
+    /// their own, across all of this transport's connections (default
+    /// [`DEFAULT_KEPT`], 256 MiB; 0 keeps none).
     ///
     /// A new buffer's pages are faulted in and zeroed by the kernel as
     /// bytes arrive (glibc unmaps chunks over 32 MiB on free, so each such
-    /// frame got fresh pages): a parameter-server worker pulling two
-    /// 64 MiB tensors from each of two shards a round over loopback pulled
-    /// 1.18× faster with the buffers kept (16 MiB × 4: 1.24×). A kept
-    /// buffer is reused for a frame of half its size up to its size, once
-    /// every view of its last frame is dropped; past the limit the oldest
-    /// are forgotten. So up to this much memory stays mapped after a burst
-    /// of large frames, on top of the frames the application holds.
+    /// frame would get fresh pages). A connection reads its next large
+    /// frame into the buffer of its last one if the application dropped
+    /// that frame before the next bytes arrived (a server that sums a
+    /// pushed gradient and returns); if it holds it still (a worker
+    /// keeping several pulled tensors), that buffer is kept here, and a
+    /// later large frame on any connection is read into it once every
+    /// view of its frame is dropped: a worker pulling two 64 MiB tensors
+    /// from each of two shards a round over loopback pulled 1.18× faster
+    /// (16 MiB × 4: 1.24×). A kept buffer is reused for a frame of half
+    /// its size up to its size; past the limit the oldest are forgotten.
+    /// So up to this much memory stays mapped after a burst of large
+    /// frames, on top of the frames the application holds.
     pub fn kept_buffers(mut self, bytes: usize) -> TcpTransport {
         self.kept = Arc::new(KeptBuffers::new(bytes));
         self

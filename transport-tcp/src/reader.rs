@@ -88,9 +88,6 @@ pub struct FrameReader {
     reserved: Option<Lane>,
     /// The last frame handed up came from the bulk stream.
     after_bulk: bool,
-    /// Where the buffers of frames room was made for go once handed up,
-    /// and come from.
-    kept: Option<Arc<KeptBuffers>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,25 +105,24 @@ impl FrameReader {
             piece_left: 0,
             reserved: None,
             after_bulk: false,
-            kept: None,
         }
     }
 
     /// Makes room for large frames in buffers `kept` holds when one is
-    /// free, and gives it their buffers once handed up
-    /// ([`reserve_frame`](Self::reserve_frame)).
+    /// free ([`reserve_frame`](Self::reserve_frame)), and gives it such a
+    /// frame's buffer when the application still holds the frame as the
+    /// next bytes arrive (a buffer it dropped by then is read into again).
     pub fn keeping_buffers_in(mut self, kept: Arc<KeptBuffers>) -> FrameReader {
-        self.kept = Some(kept);
+        self.main.kept = Some(Arc::clone(&kept));
+        self.bulk.kept = Some(kept);
         self
     }
 
-    /// The frame room was made for in `lane` was handed up: its buffer
-    /// goes to the kept ones.
+    /// A frame of `lane` was handed up: the reservation ends if it was
+    /// the one room was made for.
     fn reservation_ended(&mut self, lane: Lane) {
         if self.reserved == Some(lane) {
             self.reserved = None;
-            let kept = self.kept.clone();
-            self.stream(lane).give_room_back(kept.as_deref());
         }
     }
 
@@ -232,8 +228,7 @@ impl FrameReader {
         } else {
             return;
         };
-        let kept = self.kept.clone();
-        self.stream(lane).reserve_frame(kept.as_deref());
+        self.stream(lane).reserve_frame();
         self.reserved = Some(lane);
     }
 
@@ -341,9 +336,12 @@ struct FrameStream {
     skip: usize,
     /// The last frame handed up was larger than [`READ_CHUNK`].
     after_large: bool,
-    /// The capacity of the buffer room was made in for the frame at the
-    /// front (0: none made).
+    /// The capacity of the buffer room was last made in for a large
+    /// frame, while `buf` is that buffer (0: it is not).
     room: usize,
+    /// Where such buffers go when their frame outlives them as the read
+    /// buffer, and come from.
+    kept: Option<Arc<KeptBuffers>>,
 }
 
 impl FrameStream {
@@ -355,6 +353,7 @@ impl FrameStream {
             skip: 0,
             after_large: false,
             room: 0,
+            kept: None,
         }
     }
 
@@ -436,7 +435,7 @@ impl FrameStream {
     /// the buffer doubles (as much again as the frame, in all). This
     /// reserves address space for the announced length; its pages are
     /// touched only as bytes arrive.
-    fn reserve_frame(&mut self, kept: Option<&KeptBuffers>) {
+    fn reserve_frame(&mut self) {
         let Some(len) = self.large_partial_frame() else {
             return;
         };
@@ -447,7 +446,7 @@ impl FrameStream {
         // copies the old buffer's whole capacity, not only the bytes in it.
         let need = PREFIX_LEN + len;
         if !self.buf.try_reclaim(need - self.buf.len()) {
-            let mut room = kept
+            let mut room = (self.kept.as_deref())
                 .and_then(|kept| kept.take(need))
                 .unwrap_or_else(|| BytesMut::with_capacity(need));
             room.extend_from_slice(&self.buf);
@@ -456,12 +455,19 @@ impl FrameStream {
         self.room = self.buf.capacity();
     }
 
-    /// The frame room was made for was handed up: what is left of its
-    /// buffer (nothing, read in place as it was) goes to `kept`, to be
-    /// reused once the application drops the frame.
-    fn give_room_back(&mut self, kept: Option<&KeptBuffers>) {
+    /// Before the first read after a frame room was made for: if the
+    /// application dropped that frame, its buffer stays the read buffer
+    /// (and the next large frame's room); if it holds it still, what is
+    /// left of the buffer (nothing, read in place as it was) goes to the
+    /// kept ones, reused once the frame is dropped, where `reserve` would
+    /// let it go.
+    #[cold]
+    fn settle_room(&mut self, want: usize) {
         let capacity = mem::take(&mut self.room);
-        if let Some(kept) = kept.filter(|_| self.buf.is_empty()) {
+        if !self.buf.is_empty() || self.buf.try_reclaim(want) {
+            return;
+        }
+        if let Some(kept) = &self.kept {
             kept.keep(mem::take(&mut self.buf), capacity);
         }
     }
@@ -519,6 +525,9 @@ impl FrameStream {
     /// The buffer to read into, with room for [`wanted`](Self::wanted) bytes.
     fn read_buf(&mut self) -> &mut BytesMut {
         let want = self.wanted();
+        if self.room > 0 && self.announced().is_none() {
+            self.settle_room(want);
+        }
         self.buf.reserve(want);
         &mut self.buf
     }
@@ -816,10 +825,17 @@ mod tests {
         assert_ne!(first.as_ptr(), second.as_ptr(), "the first frame lived");
         let first_at = first.as_ptr();
         drop(first);
+        // The second lives on: its buffer is kept, the first's taken.
         let third = receive(&mut r, 3);
         assert_eq!(third.as_ptr(), first_at, "the first frame's buffer");
-        drop((second, third));
-        assert!(kept.take(len).is_some() && kept.take(len).is_some());
+        // Dropped before the next bytes: the reader reads into it again.
+        let third_at = third.as_ptr();
+        drop(third);
+        let fourth = receive(&mut r, 4);
+        assert_eq!(fourth.as_ptr(), third_at, "the third frame's buffer");
+        drop(second);
+        assert!(kept.take(len).is_some(), "the second frame's buffer, kept");
+        assert!(kept.take(len).is_none());
     }
 
     #[test]
