@@ -5,22 +5,23 @@
 //!   layer can make it see (headers with any fields or raw bytes in any
 //!   receive slot, completions with any `wr_id`, failed completions,
 //!   disconnection), between the application's sends, transmits,
-//!   deliveries, releases and a close. Checked against a model of its own:
-//!   no panic; work requests inside their slots and the peer's region;
-//!   credits and ring occupancy as counted from outside; every lie it can
-//!   tell from outside (a completion for nothing posted, credits over the
-//!   ring, region space freed beyond what was written, a message into a
-//!   full ring) fails it; every genuine completion is taken; heap held
-//!   bounded; after a failure nothing goes out and nothing new comes in.
+//!   deliveries, releases, region returns and a close. Checked against a
+//!   model of its own: no panic; work requests inside their slots and the
+//!   peer's region; credits and ring occupancy as counted from outside;
+//!   every lie it can tell from outside (a completion for nothing posted,
+//!   credits over the ring, region space freed beyond what was written, a
+//!   region returned that was not granted, a message into a full ring)
+//!   fails it; every genuine completion is taken; heap held bounded; after
+//!   a failure nothing goes out and nothing new comes in.
 //! - [`pair`]: two honest `Connection`s wired through a simulated RC queue
 //!   pair (a wire per direction executing work requests in posting order,
 //!   separate send and receive completion queues polled in any interleaving)
 //!   under arbitrary application sends of every size, pumps, deliveries,
-//!   releases in any order and closes. Checked: no failure; credit
-//!   conservation and no receive-ring overrun at every step; no send slot,
-//!   staging byte or region byte reused while in use; and once both sides
-//!   drain, every frame arrived exactly once, intact and in order, nothing
-//!   is stuck, and both see the orderly end.
+//!   releases in any order, region returns and closes. Checked: no
+//!   failure; credit conservation and no receive-ring overrun at every
+//!   step; no send slot, staging byte or region byte reused while in use;
+//!   and once both sides drain, every frame arrived exactly once, intact
+//!   and in order, nothing is stuck, and both see the orderly end.
 
 use arbitrary::Arbitrary;
 

@@ -48,7 +48,7 @@ pub fn check(data: &[u8]) {
             assert_eq!(body, 0);
             assert_eq!((header.len, header.flags), (0, 0));
         }
-        Kind::Credit | Kind::Close | Kind::RegionWanted => {
+        Kind::Credit | Kind::Close | Kind::RegionWanted | Kind::RegionReturned => {
             assert_eq!(body, 0);
             assert_eq!((header.len, header.total, header.pos), (0, 0, 0));
         }

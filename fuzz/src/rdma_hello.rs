@@ -5,7 +5,7 @@
 //! flags aside: decode keeps only the ones it knows), which decode to the
 //! same hello.
 
-use transport_rdma::proto::{Hello, HelloLimits, HEADER_LEN, HELLO_LEN};
+use transport_rdma::proto::{Hello, HelloLimits, FLAG_READS_RENDEZVOUS, HEADER_LEN, HELLO_LEN};
 
 /// The transport's default limits (`RdmaConfig`'s `max_peer_*`).
 pub const LIMITS: HelloLimits = HelloLimits {
@@ -25,7 +25,8 @@ pub fn check(data: &[u8]) {
     let encoded = hello.to_bytes();
     let mut expected = [0; HELLO_LEN];
     expected.copy_from_slice(&data[..HELLO_LEN]);
-    expected[6..8].fill(0);
+    let flags = u16::from_le_bytes([data[6], data[7]]) & FLAG_READS_RENDEZVOUS;
+    expected[6..8].copy_from_slice(&flags.to_le_bytes());
     assert_eq!(encoded, expected, "re-encoded hello differs");
     assert_eq!(Hello::decode(&encoded, &LIMITS), Ok(hello));
 }

@@ -95,6 +95,9 @@ pub enum Op {
     Close,
     /// The connection goes down.
     Disconnect,
+    /// The driver's tick: the connection gives the peer's region back if
+    /// it is idle.
+    ReturnRegion,
 }
 
 /// A number a peer chooses: any, or a near miss of the honest limit (so
@@ -120,6 +123,8 @@ impl Value {
 struct Memory {
     slots: Vec<Vec<u8>>,
     region: Vec<u8>,
+    /// The region is registered (asked for, and not returned since).
+    registered: bool,
 }
 
 impl ReadReceived for Memory {
@@ -129,6 +134,7 @@ impl ReadReceived for Memory {
         dst.copy_from_slice(&slot[offset..offset + dst.len()]);
     }
     fn read_region(&self, offset: usize, dst: &mut [u8]) {
+        assert!(self.registered, "a chunk read from a region not registered");
         assert!(
             offset + dst.len() <= self.region.len(),
             "read past the region"
@@ -161,12 +167,14 @@ struct Model {
     /// Frames held in place by the application.
     held: VecDeque<u32>,
     /// The regions: we asked for the peer's and it granted it; it asked
-    /// for ours, we registered it and granted it.
+    /// for ours, we registered it and granted it; it returned ours (its
+    /// deregistration is due).
     asked_region: bool,
     peer_granted: bool,
     peer_asked: bool,
     registered: bool,
     own_granted: bool,
+    returned: bool,
     failed: bool,
 }
 
@@ -221,6 +229,9 @@ impl Model {
             Kind::RegionGranted if !self.asked_region || self.peer_granted => {
                 Some("a region grant unasked".into())
             }
+            Kind::RegionReturned if !self.own_granted => {
+                Some("a region returned we did not grant".into())
+            }
             _ => None,
         }
     }
@@ -248,6 +259,7 @@ pub fn check(ops: &[Op]) {
     let mut memory = Memory {
         slots: vec![vec![0x5a; SLOT_SIZE]; SLOTS as usize],
         region: vec![0xa5; REGION],
+        registered: false,
     };
     let mut m = Model {
         recv_posted: (0..SLOTS).collect(),
@@ -264,6 +276,7 @@ pub fn check(ops: &[Op]) {
         peer_asked: false,
         registered: false,
         own_granted: false,
+        returned: false,
         failed: false,
     };
     for op in ops {
@@ -277,7 +290,11 @@ pub fn check(ops: &[Op]) {
                 while let Some(t) = conn.poll_transmit() {
                     transmitted(&t, &mut m);
                     if t == Transmit::RegisterRegion {
+                        memory.registered = true;
                         conn.region_registered(0x1000, 1);
+                    }
+                    if t == Transmit::DeregisterRegion {
+                        memory.registered = false;
                     }
                 }
             }
@@ -304,6 +321,7 @@ pub fn check(ops: &[Op]) {
                     failure: None,
                     byte_len: bytes.len(),
                     header,
+                    at: None,
                 });
             }
             Op::Receive {
@@ -325,6 +343,7 @@ pub fn check(ops: &[Op]) {
                     Kind::Close,
                     Kind::RegionWanted,
                     Kind::RegionGranted,
+                    Kind::RegionReturned,
                 ];
                 let mut header = Header::new(kinds[usize::from(*kind) % kinds.len()]);
                 // Only the fields its kind carries (a header malformed
@@ -345,7 +364,8 @@ pub fn check(ops: &[Op]) {
                     | Kind::Close
                     | Kind::Announce
                     | Kind::Done
-                    | Kind::RegionWanted => {}
+                    | Kind::RegionWanted
+                    | Kind::RegionReturned => {}
                 }
                 let returnable = u64::from(SLOTS - m.credits.min(SLOTS));
                 header.credits = credits.get(returnable).min(u16::MAX.into()) as u16;
@@ -363,12 +383,15 @@ pub fn check(ops: &[Op]) {
                     failure: None,
                     byte_len,
                     header: &bytes,
+                    at: None,
                 });
             }
             Op::RawCompletion { wr_id, failed } => {
                 must_fail = match m.bogus(*wr_id) {
                     Some(why) => Some(why.into()),
                     None if *failed => Some("a failed completion".into()),
+                    // WRITEs go unsignaled: one completes only if it failed.
+                    None if *wr_id >> 32 == 4 => Some("a WRITE completed".into()),
                     // A receive completion with no bytes: not a message.
                     None if *wr_id >> 32 == 1 => Some("an empty receive".into()),
                     None => None,
@@ -380,6 +403,7 @@ pub fn check(ops: &[Op]) {
                     failure: failed.then_some("IBV_WC_GENERAL_ERR (21)"),
                     byte_len: 0,
                     header: &[],
+                    at: None,
                 });
             }
             Op::Complete { n, failed } => {
@@ -387,14 +411,22 @@ pub fn check(ops: &[Op]) {
                     continue;
                 }
                 let wr_id = m.in_flight[usize::from(*n) % m.in_flight.len()];
-                must_fail = failed.then(|| "a failed completion".into());
-                must_take = !failed;
+                must_fail = if *failed {
+                    Some("a failed completion".into())
+                } else if wr_id >> 32 == 4 {
+                    // WRITEs go unsignaled: one completes only if it failed.
+                    Some("a WRITE completed".into())
+                } else {
+                    None
+                };
+                must_take = must_fail.is_none();
                 completed(&mut m, wr_id);
                 conn.handle_completion(Completion {
                     wr_id,
                     failure: failed.then_some("IBV_WC_RETRY_EXC_ERR (12)"),
                     byte_len: 0,
                     header: &[],
+                    at: None,
                 });
             }
             Op::Deliver => {
@@ -409,6 +441,14 @@ pub fn check(ops: &[Op]) {
             }
             Op::Close => conn.close(),
             Op::Disconnect => conn.handle_disconnected("RDMA_CM_EVENT_DISCONNECTED"),
+            Op::ReturnRegion => {
+                if conn.return_idle_region() {
+                    assert!(
+                        !m.failed && m.peer_granted && m.freed_to == m.written_to,
+                        "the peer's region returned ungranted or with chunks in it"
+                    );
+                }
+            }
         }
         if !m.failed {
             if let Some(why) = must_fail {
@@ -479,6 +519,12 @@ fn arrive(m: &mut Model, slot: u32, header: &[u8], byte_len: usize) {
         Kind::Credit | Kind::Close => {}
         Kind::RegionWanted => m.peer_asked = true,
         Kind::RegionGranted => m.peer_granted = true,
+        // Ours may be asked for again once deregistered.
+        Kind::RegionReturned => {
+            m.returned = true;
+            m.own_granted = false;
+            m.peer_asked = false;
+        }
         // With the rendezvous off, either fails the connection (the
         // checks after a failure apply).
         Kind::Announce | Kind::Done => {}
@@ -592,6 +638,14 @@ fn transmitted(t: &Transmit, m: &mut Model) {
             );
             m.registered = true;
         }
+        Transmit::DeregisterRegion => {
+            assert!(
+                m.returned && m.registered,
+                "our region deregistered unreturned or twice"
+            );
+            m.returned = false;
+            m.registered = false;
+        }
         Transmit::Recv { slot } => {
             assert!(slot < SLOTS, "receive posted in slot {slot}");
             if m.failed {
@@ -644,6 +698,14 @@ fn transmitted(t: &Transmit, m: &mut Model) {
                         "our region granted before it was registered, or twice"
                     );
                     m.own_granted = true;
+                }
+                Kind::RegionReturned => {
+                    assert!(
+                        m.peer_granted && m.freed_to == m.written_to,
+                        "the peer's region returned ungranted or with chunks in it"
+                    );
+                    m.asked_region = false;
+                    m.peer_granted = false;
                 }
                 _ => {}
             }

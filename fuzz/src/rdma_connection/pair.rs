@@ -100,6 +100,12 @@ pub enum PairOp {
         /// The side.
         b: bool,
     },
+    /// The driver's tick: the side gives the peer's region back if it is
+    /// idle (the peer deregisters it; the next region frame asks again).
+    ReturnRegion {
+        /// The side.
+        b: bool,
+    },
 }
 
 /// What the application got.
@@ -135,8 +141,10 @@ struct Side {
     /// Our region (the peer writes it); which bytes hold chunks the peer
     /// wrote and we have not reported freed; those writes (pos, offset, len).
     region: Vec<u8>,
-    /// The region is registered (the peer asked for it).
+    /// The region is registered (the peer asked for it), and how many
+    /// times the peer returned it (and it was deregistered).
     region_registered: bool,
+    regions_returned: usize,
     occupied: Vec<bool>,
     writes: VecDeque<(u64, usize, usize)>,
     /// Send slots and staging, as the application and the verbs layer
@@ -187,6 +195,7 @@ impl Side {
             posted: (0..INITIAL_SLOTS).collect(),
             region: vec![0; REGION],
             region_registered: false,
+            regions_returned: 0,
             occupied: vec![false; REGION],
             writes: VecDeque::new(),
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
@@ -314,6 +323,15 @@ fn pump(me: &mut Side) -> usize {
                 assert!(!me.region_registered, "the region registered twice");
                 me.region_registered = true;
                 me.conn.region_registered(0, 0);
+            }
+            Transmit::DeregisterRegion => {
+                assert!(me.region_registered, "a region deregistered twice");
+                assert!(
+                    !me.occupied.contains(&true),
+                    "the region deregistered with a chunk in it"
+                );
+                me.region_registered = false;
+                me.regions_returned += 1;
             }
             Transmit::Recv { slot } => {
                 assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
@@ -445,6 +463,7 @@ fn poll_send(me: &mut Side) -> bool {
         failure: None,
         byte_len: 0,
         header: &[],
+        at: None,
     });
     true
 }
@@ -458,6 +477,7 @@ fn poll_recv(me: &mut Side) -> bool {
         failure: None,
         byte_len,
         header: &header,
+        at: None,
     });
     true
 }
@@ -608,6 +628,8 @@ pub struct Moved {
     pub chunked: usize,
     /// Over the frame limit.
     pub oversized: usize,
+    /// Regions returned by their writer and deregistered (each way together).
+    pub regions_returned: usize,
 }
 
 /// Runs the checks on one input.
@@ -657,6 +679,11 @@ pub fn check(input: &PairInput) -> Moved {
                 release(if on_b { &mut b } else { &mut a }, usize::from(which));
             }
             PairOp::Close { b: on_b } => (if on_b { &mut b } else { &mut a }).conn.close(),
+            PairOp::ReturnRegion { b: on_b } => {
+                (if on_b { &mut b } else { &mut a })
+                    .conn
+                    .return_idle_region();
+            }
         }
         a.assert_ok("a");
         b.assert_ok("b");
@@ -695,7 +722,10 @@ pub fn check(input: &PairInput) -> Moved {
         assert!(me.eof, "{name} did not see the end");
         assert!(me.conn.is_drained(), "{name}: {}", me.conn.summary());
     }
-    let mut moved = Moved::default();
+    let mut moved = Moved {
+        regions_returned: a.regions_returned + b.regions_returned,
+        ..Moved::default()
+    };
     for got in a.got.iter().chain(&b.got) {
         moved.frames += 1;
         match got {
@@ -740,5 +770,39 @@ mod tests {
         assert_eq!(moved.region, 3, "{moved:?}");
         assert_eq!(moved.chunked, 4, "{moved:?}");
         assert_eq!(moved.oversized, 2, "{moved:?}");
+    }
+
+    /// A writer gone idle gives the peer's region back, and asks for it
+    /// again with its next region frame: twice each way.
+    #[test]
+    fn an_idle_writer_returns_the_region_and_asks_again() {
+        // Everything both sides can do, a few times over: quiescent after.
+        let settle = |ops: &mut Vec<PairOp>| {
+            for _ in 0..8 {
+                for b in [false, true] {
+                    ops.push(PairOp::Pump { b });
+                    ops.push(PairOp::Wire { b, n: 3 });
+                    ops.push(PairOp::PollSend { b, n: 3 });
+                    ops.push(PairOp::PollRecv { b, n: 3 });
+                    ops.push(PairOp::Deliver { b, n: 3 });
+                    ops.push(PairOp::Release { b, which: 0 });
+                }
+            }
+        };
+        let mut ops = Vec::new();
+        for i in 0..4 {
+            let b = i % 2 == 1;
+            // A region frame (the last route: any length).
+            ops.push(PairOp::Send {
+                b,
+                len: (100 << 2 | 3) as u16,
+            });
+            settle(&mut ops);
+            ops.push(PairOp::ReturnRegion { b });
+            settle(&mut ops);
+        }
+        let moved = check(&PairInput { keep: [0, 0], ops });
+        assert_eq!((moved.frames, moved.region), (4, 4), "{moved:?}");
+        assert_eq!(moved.regions_returned, 4, "{moved:?}");
     }
 }
