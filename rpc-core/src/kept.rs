@@ -7,15 +7,15 @@ use std::sync::Mutex;
 
 use bytes::BytesMut;
 
-/// Frames this large and larger have their buffers kept. Smaller ones come
-/// from the allocator's heap, whose freed memory it reuses with its pages
-/// mapped; glibc serves chunks over 32 MiB with `mmap` and unmaps them on
-/// free, so each such frame's pages were faulted in afresh (64 MiB pulls
-/// over loopback ran at 0.75× the speed of a doubling buffer that was
-/// reused). From 1 MiB up, a kept buffer's reuse saves at least the zeroed
-/// pages a fresh one costs, and the list stays short (at most `limit` /
-/// 1 MiB entries).
-pub const KEPT_FROM: usize = 1 << 20;
+/// Frames larger than this have their buffers kept. glibc serves
+/// allocations over 32 MiB (its largest `mmap` threshold) with `mmap` and
+/// unmaps them on free, so each such frame's pages were faulted in and
+/// zeroed afresh. Smaller ones come from its heap, which recycles freed
+/// memory itself: buffers kept out of it made the process fault more (four
+/// workers holding 256 MiB of 1 to 16 MiB tensors a round over loopback:
+/// 1.3 to 2.5 times the page faults, the kept buffers at their limit and
+/// churning), so they are left to it.
+pub const KEPT_ABOVE: usize = 32 << 20;
 
 /// What the transports keep by default: 256 MiB (four 64 MiB tensors).
 pub const DEFAULT_KEPT: usize = 256 << 20;
@@ -54,7 +54,7 @@ impl KeptBuffers {
     /// smallest kept one of `len` to `2 × len` bytes (a larger one would
     /// pin more than the frame needs while the frame lives), if any.
     pub fn take(&self, len: usize) -> Option<BytesMut> {
-        if len < KEPT_FROM {
+        if len <= KEPT_ABOVE {
             return None;
         }
         let mut kept = self.lock();
@@ -74,7 +74,7 @@ impl KeptBuffers {
     /// whose frame was split off and handed up, forgetting the oldest kept
     /// ones if the total would pass the limit.
     pub fn keep(&self, buf: BytesMut, capacity: usize) {
-        if capacity < KEPT_FROM || capacity > self.limit || !buf.is_empty() {
+        if capacity <= KEPT_ABOVE || capacity > self.limit || !buf.is_empty() {
             return;
         }
         let mut kept = self.lock();
@@ -93,60 +93,62 @@ impl KeptBuffers {
 mod tests {
     use super::*;
 
-    const MIB: usize = 1 << 20;
+    /// A size class above the threshold: `n` of them.
+    fn big(n: usize) -> usize {
+        n * (KEPT_ABOVE / 2)
+    }
 
-    /// A buffer of `capacity` bytes whose frame of `capacity` bytes was
-    /// split off: the frame, and the remainder to keep.
+    /// A buffer of `capacity` bytes whose frame filled it was split off:
+    /// the frame, and the rest to keep. Zeroed by `calloc`, so its pages
+    /// are not touched.
     fn handed_up(capacity: usize) -> (bytes::Bytes, BytesMut) {
-        let mut buf = BytesMut::with_capacity(capacity);
-        buf.resize(capacity, 7);
-        let frame = buf.split_to(capacity).freeze();
-        (frame, buf)
+        let mut buf = BytesMut::zeroed(capacity);
+        (buf.split().freeze(), buf)
     }
 
     #[test]
     fn a_kept_buffer_comes_back_whole_once_its_frame_is_dropped() {
-        let kept = KeptBuffers::new(64 * MIB);
-        let (frame, rest) = handed_up(2 * MIB);
+        let kept = KeptBuffers::new(big(16));
+        let (frame, rest) = handed_up(big(3));
         let start = frame.as_ptr();
-        kept.keep(rest, 2 * MIB);
-        let view = frame.slice(10..20);
+        kept.keep(rest, big(3));
+        let view = frame.slice(..);
         drop(frame);
-        assert!(kept.take(2 * MIB).is_none(), "a view of the frame lives");
+        assert!(kept.take(big(3)).is_none(), "a view of the frame lives");
         drop(view);
-        let buf = kept.take(2 * MIB).expect("the frame is gone");
+        let buf = kept.take(big(3)).expect("the frame is gone");
         assert_eq!((buf.as_ptr(), buf.len()), (start, 0));
-        assert!(buf.capacity() >= 2 * MIB);
-        assert!(kept.take(2 * MIB).is_none(), "handed out once");
+        assert!(buf.capacity() >= big(3));
+        assert!(kept.take(big(3)).is_none(), "handed out once");
     }
 
     #[test]
     fn the_smallest_buffer_that_fits_is_taken_and_none_twice_the_frame() {
-        let kept = KeptBuffers::new(64 * MIB);
-        for capacity in [8 * MIB, 3 * MIB, 5 * MIB] {
+        let kept = KeptBuffers::new(big(40));
+        for capacity in [big(12), big(5), big(8)] {
             kept.keep(handed_up(capacity).1, capacity);
         }
-        assert!(kept.take(9 * MIB).is_none(), "none large enough");
-        assert!(kept.take(MIB).is_none(), "3 MiB pins 3x a 1 MiB frame");
-        assert_eq!(kept.take(2 * MIB).unwrap().capacity(), 3 * MIB);
-        assert!(kept.take(2 * MIB).is_none(), "5 MiB > 2 x 2 MiB");
-        assert_eq!(kept.take(4 * MIB).unwrap().capacity(), 5 * MIB);
-        assert_eq!(kept.take(4 * MIB).unwrap().capacity(), 8 * MIB);
+        assert!(kept.take(big(13)).is_none(), "none large enough");
         assert!(
-            kept.take(KEPT_FROM - 1).is_none(),
-            "small frames: the heap's"
+            kept.take(big(2) + 1).is_none(),
+            "5 pins over 2x a frame of 2"
         );
+        assert_eq!(kept.take(big(4)).unwrap().capacity(), big(5));
+        assert!(kept.take(big(3)).is_none(), "8 > 2 x 3");
+        assert_eq!(kept.take(big(5)).unwrap().capacity(), big(8));
+        assert_eq!(kept.take(big(7)).unwrap().capacity(), big(12));
+        assert!(kept.take(KEPT_ABOVE).is_none(), "small frames: the heap's");
     }
 
     #[test]
     fn the_oldest_are_forgotten_past_the_limit_and_small_or_huge_never_kept() {
-        let kept = KeptBuffers::new(10 * MIB);
-        for capacity in [4 * MIB, 5 * MIB, 6 * MIB] {
+        let kept = KeptBuffers::new(big(10));
+        for capacity in [big(4), big(5), big(6)] {
             kept.keep(handed_up(capacity).1, capacity);
         }
-        kept.keep(handed_up(11 * MIB).1, 11 * MIB);
-        kept.keep(handed_up(KEPT_FROM / 2).1, KEPT_FROM / 2);
+        kept.keep(handed_up(big(11)).1, big(11));
+        kept.keep(handed_up(KEPT_ABOVE).1, KEPT_ABOVE);
         let capacities: Vec<usize> = kept.lock().iter().map(|(_, c)| *c).collect();
-        assert_eq!(capacities, [6 * MIB], "4 + 5 + 6 MiB pass 10");
+        assert_eq!(capacities, [big(6)], "4 + 5 + 6 pass 10");
     }
 }

@@ -129,7 +129,7 @@
 //!   are copied out instead, so holding frames never stalls the connection.
 //!   Region frames are copied out once, as they are read: the region is
 //!   freed in order, so a held frame would block all later ones. A frame
-//!   of 1 MiB or more is copied into the buffer of an earlier one the
+//!   over 32 MiB is copied into the buffer of an earlier one the
 //!   application dropped when one is free ([`RdmaTransport::kept_buffers`]),
 //!   whose pages are mapped already.
 //! - **Completions** arrive on a completion channel registered with tokio
@@ -597,7 +597,7 @@ impl RdmaTransport {
         self
     }
 
-    /// Bytes of buffers that frames of 1 MiB and more were put back
+    /// Bytes of buffers that frames over 32 MiB were put back
     /// together in from region chunks, kept once the application drops
     /// them so the next such frame is collected in memory already mapped
     /// (default [`DEFAULT_KEPT`], 256 MiB; 0 keeps none), across all of

@@ -60,8 +60,8 @@
 //! from the transport's [read budget](TcpTransport::read_budget) first,
 //! and then the buffer makes room for all of it at once, so the rest of
 //! it is read in place (no copy each time the buffer would have doubled).
-//! That room is, when one is free, the buffer of an earlier frame of 1 MiB
-//! or more that the application has dropped
+//! For a frame over 32 MiB that room is, when one is free, the buffer of
+//! an earlier such frame that the application has dropped
 //! ([`kept_buffers`](TcpTransport::kept_buffers)), its pages mapped already.
 //!
 //! # Listening
@@ -207,7 +207,7 @@ impl TcpTransport {
         self
     }
 
-    /// Bytes of buffers that frames of 1 MiB and more were received into,
+    /// Bytes of buffers that frames over 32 MiB were received into,
     /// kept for the next such frames while the application still holds
     /// their own, across all of this transport's connections (default
     /// [`DEFAULT_KEPT`], 256 MiB; 0 keeps none).
@@ -221,9 +221,11 @@ impl TcpTransport {
     /// keeping several pulled tensors), that buffer is kept here, and a
     /// later large frame on any connection is read into it once every
     /// view of its frame is dropped: a worker pulling two 64 MiB tensors
-    /// from each of two shards a round over loopback pulled 1.18× faster
-    /// (16 MiB × 4: 1.24×). A kept buffer is reused for a frame of half
-    /// its size up to its size; past the limit the oldest are forgotten.
+    /// from each of two shards a round over loopback pulled 1.18× faster.
+    /// Smaller frames' buffers are left to the allocator, which recycles
+    /// them ([`KEPT_ABOVE`](rpc_core::kept::KEPT_ABOVE)). A kept buffer is
+    /// reused for a frame of half its size up to its size; past the limit
+    /// the oldest are forgotten.
     /// So up to this much memory stays mapped after a burst of large
     /// frames, on top of the frames the application holds.
     pub fn kept_buffers(mut self, bytes: usize) -> TcpTransport {

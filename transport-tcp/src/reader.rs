@@ -808,7 +808,7 @@ mod tests {
 
     #[test]
     fn a_large_frame_is_read_into_the_buffer_of_one_the_application_dropped() {
-        let len = 2 << 20;
+        let len = 33 << 20;
         let kept = Arc::new(KeptBuffers::new(64 << 20));
         let mut r = reader().keeping_buffers_in(Arc::clone(&kept));
         let receive = |r: &mut FrameReader, byte: u8| {

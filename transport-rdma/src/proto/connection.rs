@@ -876,7 +876,7 @@ impl Connection {
         }
     }
 
-    /// Puts frames of 1 MiB and more back together in buffers `kept`
+    /// Puts frames over 32 MiB back together in buffers `kept`
     /// holds when one is free, and gives it their buffers once handed up
     /// ([`Reassembly::keep_buffers_in`]).
     pub fn keep_buffers_in(&mut self, kept: std::sync::Arc<rpc_core::kept::KeptBuffers>) {

@@ -9,7 +9,7 @@
 //! buffering), so a connection holds at most about `2 × max_frame_len`
 //! bytes of partial frame; the process, that times its connections.
 //!
-//! A frame of [`KEPT_FROM`](rpc_core::kept::KEPT_FROM) bytes or more is collected in a kept buffer
+//! A frame larger than [`KEPT_ABOVE`](rpc_core::kept::KEPT_ABOVE) (32 MiB) is collected in a kept buffer
 //! (of up to twice its total) when one is free ([`Reassembly::keep_buffers_in`]):
 //! memory the process holds already, its pages mapped, that an earlier
 //! frame was collected in and the application dropped. Its buffer goes
@@ -80,7 +80,7 @@ impl Reassembly {
         }
     }
 
-    /// Collects frames of [`KEPT_FROM`](rpc_core::kept::KEPT_FROM) bytes or more in buffers `kept`
+    /// Collects frames larger than [`KEPT_ABOVE`](rpc_core::kept::KEPT_ABOVE) in buffers `kept`
     /// holds when one is free, and gives it their buffers once handed up.
     pub fn keep_buffers_in(&mut self, kept: Arc<KeptBuffers>) {
         self.kept = Some(kept);
@@ -313,7 +313,7 @@ mod tests {
 
     #[test]
     fn a_large_frame_is_collected_in_the_buffer_of_one_the_application_dropped() {
-        let (total, chunk) = (2 << 20, 512 << 10);
+        let (total, chunk) = (33 << 20, 512 << 10);
         let mut r = Reassembly::new(64 << 20, 128 << 20, 4);
         r.keep_buffers_in(Arc::new(KeptBuffers::new(64 << 20)));
         let mut collect = |byte: u8| {
