@@ -29,14 +29,12 @@
 //! assert_eq!(reader.next_frame().unwrap().unwrap(), "abc");
 //! ```
 
+use std::sync::Arc;
 use std::{io, mem};
 
-use std::sync::Arc;
-
 use bytes::{Buf, Bytes, BytesMut};
-use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
-
 use rpc_core::kept::KeptBuffers;
+use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
 
 /// Bytes asked of the socket per read when no partial frame needs more.
 /// Frames up to this size never need the process's read budget.
