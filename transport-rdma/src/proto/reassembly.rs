@@ -315,7 +315,9 @@ mod tests {
     fn a_large_frame_is_collected_in_the_buffer_of_one_the_application_dropped() {
         let (total, chunk) = (33 << 20, 512 << 10);
         let mut r = Reassembly::new(64 << 20, 128 << 20, 4);
-        r.keep_buffers_in(Arc::new(KeptBuffers::new(64 << 20)));
+        // Room for both frames' buffers: the first one's is kept, never freed
+        // (so another allocation cannot land where it was).
+        r.keep_buffers_in(Arc::new(KeptBuffers::new(256 << 20)));
         let mut collect = |byte: u8| {
             let data = vec![byte; chunk];
             let mut frame = None;
