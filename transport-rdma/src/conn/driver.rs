@@ -262,8 +262,12 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 let mut st = shared.lock();
                 let staging = st.release_idle_regions();
                 let send_slots = st.release_idle_send_slots(&shared.mem);
+                let ring = st.proto.shrink_idle_ring();
                 st.flush(&shared.mem);
                 drop(st);
+                if ring {
+                    tracing::debug!("{}: the peer kept few messages in flight for a while: the receive ring shrinks back to its first slots", shared.peer);
+                }
                 if staging.is_some() {
                     tracing::debug!("{}: no large frame for a while: staging and the peer's region let go", shared.peer);
                 }

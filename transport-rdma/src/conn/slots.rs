@@ -2,7 +2,9 @@
 //! pins later parts only once its traffic needs them: the receive ring
 //! (its first slots registered at set-up, each doubling allocated and
 //! registered when the protocol grows the ring,
-//! [`Transmit::RegisterRing`](crate::proto::Transmit::RegisterRing)) and
+//! [`Transmit::RegisterRing`](crate::proto::Transmit::RegisterRing), and
+//! deregistered when it shrinks back,
+//! [`Transmit::DeregisterRing`](crate::proto::Transmit::DeregisterRing)) and
 //! the send slots (every part allocated at set-up, each registered with
 //! the first SEND from it too long to go inline, all deregistered once
 //! idle).
@@ -72,8 +74,9 @@ impl SlotMemory {
         let _ = self.parts[next.expect("room for another part")].set(part);
     }
 
-    /// Allocates and registers slots `from..to` on `pd` as the next part;
-    /// nothing when they exist already. On an error nothing is kept.
+    /// Allocates and registers slots `from..to` on `pd` as the next part,
+    /// or registers them again if they are a part that exists (a ring that
+    /// shrank grows into the parts it had). On an error nothing is kept.
     pub(super) fn register(
         &self,
         pd: &ProtectionDomain,
@@ -81,7 +84,14 @@ impl SlotMemory {
         to: u32,
     ) -> Result<(), crate::verbs::Error> {
         if to <= self.end() {
-            return Ok(());
+            let part = self
+                .parts
+                .iter()
+                .map_while(OnceLock::get)
+                .find(|p| p.first == from)
+                .expect("a ring grows by whole parts");
+            assert_eq!(part.first + part.count, to, "a ring grows by whole parts");
+            return part.mr.register();
         }
         assert_eq!(from, self.end(), "parts follow each other");
         let count = to - from;
@@ -100,6 +110,25 @@ impl SlotMemory {
         let mut released = 0;
         for part in self.parts.iter().map_while(OnceLock::get) {
             if part.mr.is_registered() {
+                // SAFETY: as the caller guarantees.
+                unsafe { part.mr.deregister()? };
+                released += part.mr.len();
+            }
+        }
+        Ok(released)
+    }
+
+    /// Deregisters the parts of slots `from..` (their bytes stay);
+    /// returns the bytes let go. Stops at the first part the device
+    /// refuses to deregister (it stays registered).
+    ///
+    /// # Safety
+    /// As [`MemoryRegion::deregister`], for every part from `from` on: no
+    /// receive posted in their slots.
+    pub(super) unsafe fn deregister_from(&self, from: u32) -> Result<usize, crate::verbs::Error> {
+        let mut released = 0;
+        for part in self.parts.iter().map_while(OnceLock::get) {
+            if part.first >= from && part.mr.is_registered() {
                 // SAFETY: as the caller guarantees.
                 unsafe { part.mr.deregister()? };
                 released += part.mr.len();

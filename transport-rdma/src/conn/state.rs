@@ -808,6 +808,21 @@ impl State {
                 }
                 Ok(())
             }
+            Transmit::DeregisterRing { from } => {
+                // SAFETY: the protocol retired every slot from `from` on
+                // (handled, not reposted: no receive posted in them), and
+                // the ring's registrations are read (`post_recv`'s lkey)
+                // and changed only under the connection's mutex, which
+                // `&mut self` holds.
+                match unsafe { mem.ring.deregister_from(from) } {
+                    Ok(released) => tracing::debug!(
+                        "an RDMA connection's receive ring is back to {from} slots: {released} bytes deregistered"
+                    ),
+                    // Still registered: registering it again is a no-op.
+                    Err(e) => tracing::warn!("deregistering a shrunk receive ring's slots: {e}"),
+                }
+                Ok(())
+            }
             Transmit::RegisterRegion => {
                 // Registering pins the region's pages: a millisecond or so
                 // for the default 1 MiB, once per connection, under the

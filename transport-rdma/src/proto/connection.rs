@@ -357,6 +357,13 @@ pub enum Transmit {
         /// The ring's slots in use once registered.
         to: u32,
     },
+    /// The ring shrank back to its first slots: deregister slots `from..`
+    /// (no receive is posted in them, no frame refers to them). A later
+    /// [`RegisterRing`](Self::RegisterRing) registers them again.
+    DeregisterRing {
+        /// The first slot let go: the slots the ring keeps.
+        from: u32,
+    },
 }
 
 impl Transmit {
@@ -382,6 +389,9 @@ enum RingGrowth {
     /// Every slot is in use, or a registration failed (the ring stays as
     /// it is, and is not registered again).
     Done,
+    /// Going back to the first slots ([`Connection::shrink_idle_ring`]):
+    /// the others are retired as their messages are handled.
+    Shrinking,
 }
 
 /// The peer's region, as its writer (we) knows it. It exists only once
@@ -770,6 +780,12 @@ pub struct Connection {
     slot_size: usize,
     ring: RecvRing,
     ring_growth: RingGrowth,
+    /// While shrinking: the messages to ask the peer for (`RingShrinks`),
+    /// until that goes.
+    shrink_request: Option<u32>,
+    /// `Credit` messages the peer asked for (its `RingShrinks`) and not
+    /// yet sent: each consumes one of its receives.
+    fillers_owed: u32,
     own_region: OwnRegion,
     reader: RegionReader,
     reassembly: Reassembly,
@@ -836,6 +852,8 @@ impl Connection {
             } else {
                 RingGrowth::Done
             },
+            shrink_request: None,
+            fillers_owed: 0,
             own_region: OwnRegion::Unasked,
             reader: RegionReader::new(cfg.region_len),
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
@@ -1459,6 +1477,25 @@ impl Connection {
             self.probe = false;
             self.push_send(WorkKind::Control, slot, h, 0);
         }
+        // Asking the peer to consume our receives while the ring shrinks,
+        // and the `Credit` messages that do so when the peer asked:
+        // likewise.
+        if let Some(messages) = self.shrink_request {
+            if !self.free_ctrl.is_empty() && self.credits.take_data() {
+                let slot = self.free_ctrl.pop().expect("checked");
+                self.shrink_request = None;
+                let mut h = Header::new(Kind::RingShrinks);
+                h.pos = messages.into();
+                self.probe = false;
+                self.push_send(WorkKind::Control, slot, h, 0);
+            }
+        }
+        while self.fillers_owed > 0 && !self.free_ctrl.is_empty() && self.credits.take_data() {
+            let slot = self.free_ctrl.pop().expect("checked");
+            self.fillers_owed -= 1;
+            self.probe = false;
+            self.push_send(WorkKind::Control, slot, Header::new(Kind::Credit), 0);
+        }
         // Asking for the peer's region likewise: a data message's credit,
         // as the frames that wait for it need.
         if self.peer_region == PeerRegion::ToAsk
@@ -1698,11 +1735,34 @@ impl Connection {
     }
 
     fn repost(&mut self, slot: u32) {
+        if self.ring.retires(slot) {
+            self.retire(slot, false);
+            return;
+        }
         if let Some(posted) = self.posted.get_mut(slot as usize) {
             *posted = true;
         }
         self.transmit.push_back(Transmit::Recv { slot });
         self.ring.on_reposted();
+    }
+
+    /// `slot`, past the ring's first slots, was handled (or its frame,
+    /// with `released`, dropped) while the ring shrinks: it is not
+    /// reposted, and once it is the last, the slots past the first ones
+    /// are deregistered.
+    fn retire(&mut self, slot: u32, released: bool) {
+        if self.ring.on_retired(released) {
+            debug_assert_eq!(self.ring_growth, RingGrowth::Shrinking);
+            let from = self.ring.slots();
+            debug_assert!(
+                !self.posted[from as usize..self.ring_slots as usize].contains(&true),
+                "slot {slot} retired last with receives still posted past {from}"
+            );
+            self.transmit.push_back(Transmit::DeregisterRing { from });
+            self.ring_growth = RingGrowth::Growable;
+            // Every slot came back: the peer need not send more for it.
+            self.shrink_request = None;
+        }
     }
 
     /// A receive completed in `slot` with `byte_len` bytes.
@@ -1776,6 +1836,19 @@ impl Connection {
                         )))
                     }
                 }
+            }
+            Kind::RingShrinks => {
+                self.repost(slot);
+                // At most a message for each of its slots: more would be
+                // no use to it, and are not ours to spend.
+                let limit = self.credits.limit();
+                if header.pos > u64::from(limit) {
+                    return Err(ProtocolError::new(format!(
+                        "the peer asked for {} messages to shrink a ring of {limit} slots",
+                        header.pos
+                    )));
+                }
+                self.fillers_owed = (self.fillers_owed + header.pos as u32).min(limit);
             }
             Kind::RegionWanted => {
                 self.repost(slot);
@@ -2066,6 +2139,10 @@ impl Connection {
         if matches!(self.lifecycle, Lifecycle::Failed(_)) {
             return;
         }
+        if self.ring.retires(slot) {
+            self.retire(slot, true);
+            return;
+        }
         if let Some(posted) = self.posted.get_mut(slot as usize) {
             *posted = true;
         }
@@ -2105,6 +2182,31 @@ impl Connection {
             return false;
         }
         self.peer_region = PeerRegion::Returning { addr, rkey };
+        true
+    }
+
+    /// Decides, at an idle check, to shrink a grown receive ring back to
+    /// its first slots if the peer's traffic since the last check would
+    /// not have grown them (it never kept half of them consumed) and the
+    /// connection is open. Each slot past the first ones is retired when
+    /// its message is handled: not reposted, not returned as a credit.
+    /// Receives complete in the order they were posted, so the peer is
+    /// asked (`RingShrinks`) for as many messages as receives are posted
+    /// now, and answers with that many `Credit` messages (or real frames
+    /// consume them first); once the last slot is retired they are
+    /// deregistered ([`Transmit::DeregisterRing`]), and the ring grows
+    /// again as any ring does. Returns whether it decided so.
+    pub fn shrink_idle_ring(&mut self) -> bool {
+        let due = self.ring.shrink_due();
+        if !due
+            || !matches!(self.ring_growth, RingGrowth::Growable | RingGrowth::Done)
+            || self.lifecycle != Lifecycle::Open
+            || self.failure().is_some()
+        {
+            return false;
+        }
+        self.ring_growth = RingGrowth::Shrinking;
+        self.shrink_request = Some(self.ring.shrink());
         true
     }
 
@@ -2186,6 +2288,11 @@ impl Connection {
     /// peer's traffic needed the whole ring.
     pub fn ring_slots_in_use(&self) -> u32 {
         self.ring.slots()
+    }
+
+    /// Receive slots still to retire while the ring shrinks (0 otherwise).
+    pub fn ring_retiring(&self) -> u32 {
+        self.ring.retiring()
     }
 
     /// Receive slots added by growth that the peer has not been told of.
@@ -2888,6 +2995,37 @@ mod tests {
         grant(&mut writer, &mut owner, 200);
         assert_eq!((writer.failure(), owner.failure()), (None, None));
         assert_eq!(writer.peer_region(), Some((0x1000, 77)));
+    }
+
+    /// A peer's `RingShrinks` is answered with that many `Credit`
+    /// messages as credits allow; asking for more than our credits could
+    /// ever carry (its whole ring) fails the connection.
+    #[test]
+    fn a_ring_shrink_is_answered_with_credit_messages_within_the_peers_ring() {
+        let cfg = connection_config();
+        let mut c = Connection::new(cfg);
+        complete(
+            &mut c,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RingShrinks, 3, 0),
+        );
+        assert_eq!(c.failure(), None);
+        let posted: Vec<_> = std::iter::from_fn(|| c.poll_transmit()).collect();
+        let credits = posted
+            .iter()
+            .filter(|t| matches!(t, Transmit::Send { header, .. } if header.kind == Kind::Credit))
+            .count();
+        assert_eq!(credits, 3, "{posted:?}");
+
+        let mut c = Connection::new(cfg);
+        let too_many = u64::from(cfg.peer_ring_slots) + 1;
+        complete(
+            &mut c,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RingShrinks, too_many, 0),
+        );
+        let failure = c.failure().expect("more messages than the peer's ring");
+        assert!(failure.contains("to shrink a ring"), "{failure}");
     }
 
     /// A region returned that was never granted, or with a chunk in it

@@ -96,12 +96,25 @@ pub enum Delivery {
 /// keeps half of those consumed ([`wants_growth`](Self::wants_growth),
 /// [`grow`](Self::grow)): memory follows the calls a peer keeps in
 /// flight, and the new slots go to it as credits it never had.
+///
+/// A grown ring shrinks back to its first slots once the peer's traffic
+/// would not have grown them ([`shrink`](Self::shrink)): each slot past
+/// the first ones is *retired* when its message is handled, neither
+/// reposted nor returned as a credit, so the peer's window shrinks with
+/// it; once all are retired their memory can go.
 #[derive(Debug, Clone)]
 pub struct RecvRing {
     /// Slots in use: the peer's window.
     slots: u32,
+    /// The slots posted at first, which a shrink keeps.
+    first: u32,
     /// The whole ring.
     max_slots: u32,
+    /// Slots past the first ones not yet retired, while shrinking.
+    retiring: u32,
+    /// The most slots consumed and not yet reposted at once since the
+    /// last [`shrink_due`](Self::shrink_due).
+    peak: u32,
     /// Slots added by [`grow`](Self::grow), posted and not yet reported.
     fresh: u32,
     /// Slots consumed and not yet returned as credits.
@@ -122,7 +135,10 @@ impl RecvRing {
         );
         RecvRing {
             slots,
+            first: slots,
             max_slots,
+            retiring: 0,
+            peak: 0,
             fresh: 0,
             outstanding: 0,
             held: 0,
@@ -138,12 +154,13 @@ impl RecvRing {
     /// Whether to grow the ring: the peer has half of the slots in use
     /// consumed (it keeps that many messages unanswered).
     pub fn wants_growth(&self) -> bool {
-        self.slots < self.max_slots && self.outstanding >= self.slots / 2
+        self.retiring == 0 && self.slots < self.max_slots && self.outstanding >= self.slots / 2
     }
 
     /// The slots [`grow`](Self::grow) would take into use next: as many
     /// again as are in use, up to the whole ring.
     pub fn next_growth(&self) -> std::ops::Range<u32> {
+        debug_assert_eq!(self.retiring, 0, "no growth while shrinking");
         self.slots..(2 * self.slots).min(self.max_slots)
     }
 
@@ -181,7 +198,64 @@ impl RecvRing {
             ));
         }
         self.outstanding += 1;
+        self.peak = self.peak.max(self.outstanding - self.pending);
         Ok(())
+    }
+
+    /// Whether to [`shrink`](Self::shrink), asked at each idle check: the
+    /// ring has grown, and since the last check the peer's messages were
+    /// never half of the first slots at once (consumed and not yet
+    /// reposted), so the first slots would have done.
+    pub fn shrink_due(&mut self) -> bool {
+        let peak = std::mem::replace(&mut self.peak, self.outstanding - self.pending);
+        self.slots > self.first && self.retiring == 0 && self.fresh == 0 && peak < self.first / 2
+    }
+
+    /// Starts retiring every slot past the first ones: from now on
+    /// [`retires`](Self::retires) tells which slots to retire instead of
+    /// reposting. Returns how many receives are posted now: once the peer
+    /// sent that many more messages, each of them was consumed (receives
+    /// complete in the order they were posted), so every slot to retire
+    /// came back. Panics if there is nothing to shrink, or growth is
+    /// unreported.
+    pub fn shrink(&mut self) -> u32 {
+        assert!(
+            self.slots > self.first && self.retiring == 0 && self.fresh == 0,
+            "a shrink of a ring not grown ({} of {} first slots), shrinking ({} left) \
+             or with growth unreported ({})",
+            self.slots,
+            self.first,
+            self.retiring,
+            self.fresh
+        );
+        self.retiring = self.slots - self.first;
+        self.slots - self.outstanding + self.pending
+    }
+
+    /// Whether `slot` is to be retired (not reposted) once handled.
+    pub fn retires(&self, slot: u32) -> bool {
+        self.retiring > 0 && slot >= self.first
+    }
+
+    /// A consumed slot to retire was handled (or, with `released`, its
+    /// zero-copy frame dropped): it leaves the ring and the peer's window.
+    /// Returns whether it was the last one to retire: the ring is back to
+    /// its first slots.
+    pub fn on_retired(&mut self, released: bool) -> bool {
+        debug_assert!(self.retiring > 0 && self.outstanding > 0);
+        if released {
+            debug_assert!(self.held > 0);
+            self.held -= 1;
+        }
+        self.outstanding -= 1;
+        self.slots -= 1;
+        self.retiring -= 1;
+        self.retiring == 0
+    }
+
+    /// Slots still to retire (0 unless shrinking).
+    pub fn retiring(&self) -> u32 {
+        self.retiring
     }
 
     /// How the inline frame that just arrived goes up: zero-copy while the
@@ -357,6 +431,49 @@ mod tests {
         }
         w.grant(r.take_credits()).unwrap();
         assert!(w.grant(1).is_err(), "over the whole ring");
+    }
+
+    #[test]
+    fn a_grown_ring_shrinks_once_a_check_finds_the_peer_quiet() {
+        let mut r = RecvRing::new(4, 16);
+        assert!(!r.shrink_due(), "not grown");
+        for _ in 0..2 {
+            r.on_arrival().unwrap();
+        }
+        assert_eq!(r.grow(), 4..8);
+        assert_eq!(r.take_credits(), 4);
+        // Handled and reposted, the credits not yet returned.
+        for _ in 0..2 {
+            r.on_reposted();
+        }
+        assert!(!r.shrink_due(), "two consumed at once since the last check");
+        r.on_arrival().unwrap();
+        r.on_reposted();
+        assert!(r.shrink_due(), "one at a time since the last check");
+        // Receives posted: 8 slots, 3 reposted not yet reported among
+        // them; the peer must send 8 messages to consume them all.
+        assert_eq!(r.shrink(), 8);
+        assert!(!r.shrink_due(), "already shrinking");
+        assert!(!r.wants_growth());
+        assert!(r.retires(4) && r.retires(7) && !r.retires(3));
+        assert_eq!(r.take_credits(), 3);
+        for slot in [0, 5, 6, 1, 4] {
+            r.on_arrival().unwrap();
+            if r.retires(slot) {
+                assert!(!r.on_retired(false));
+            } else {
+                r.on_reposted();
+            }
+        }
+        assert_eq!((r.slots(), r.retiring()), (5, 1));
+        r.on_arrival().unwrap();
+        assert_eq!(r.deliver(), Delivery::ZeroCopy);
+        assert!(r.on_retired(true), "slot 7, released: the last");
+        assert_eq!((r.slots(), r.retiring(), r.held()), (4, 0, 0));
+        assert!(!r.retires(7));
+        assert_eq!(r.take_credits(), 2, "the first slots' only");
+        assert_eq!(r.outstanding(), 0);
+        assert_eq!(r.next_growth(), 4..8);
     }
 
     #[test]

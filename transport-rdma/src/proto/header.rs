@@ -41,6 +41,11 @@ pub enum Kind {
     /// idle with all of it freed): the receiver deregisters it. The next
     /// frame that needs one asks again (`RegionWanted`).
     RegionReturned = 9,
+    /// The sender's receive ring shrinks back to its first slots: the
+    /// receiver sends `pos` `Credit` messages (one receive each, so every
+    /// receive the sender has posted is consumed and the slots it retires
+    /// come back) as its credits allow.
+    RingShrinks = 10,
 }
 
 /// The header of one message.
@@ -120,6 +125,7 @@ impl Header {
             7 => Kind::RegionWanted,
             8 => Kind::RegionGranted,
             9 => Kind::RegionReturned,
+            10 => Kind::RingShrinks,
             other => return Err(ProtocolError::new(format!("unknown message kind {other}"))),
         };
         let header = Header {
@@ -198,6 +204,11 @@ impl Header {
                     return Err(ProtocolError::new("malformed RegionGranted message"));
                 }
             }
+            Kind::RingShrinks => {
+                if body != 0 || header.flags != 0 || header.len != 0 || header.total != 0 {
+                    return Err(ProtocolError::new("malformed RingShrinks message"));
+                }
+            }
             Kind::Credit | Kind::Close | Kind::RegionWanted | Kind::RegionReturned => {
                 if body != 0
                     || header.flags != 0
@@ -244,7 +255,7 @@ mod tests {
     fn rejects_malformed() {
         assert!(Header::decode(&[0; 8], 8).is_err());
         let mut bad = full(Header::new(Kind::Credit));
-        bad[0] = 10;
+        bad[0] = 11;
         assert!(Header::decode(&bad, HEADER_LEN).is_err());
         let mut inline = Header::new(Kind::Inline);
         inline.len = 10;
@@ -286,6 +297,11 @@ mod tests {
         assert_eq!(Header::decode(&full(done), HEADER_LEN), Ok(done));
         done.len = 1;
         assert!(Header::decode(&full(done), HEADER_LEN).is_err());
+        let mut shrink = Header::new(Kind::RingShrinks);
+        shrink.pos = 60;
+        assert_eq!(Header::decode(&full(shrink), HEADER_LEN), Ok(shrink));
+        shrink.total = 1;
+        assert!(Header::decode(&full(shrink), HEADER_LEN).is_err());
         let mut reserved = full(Header::new(Kind::Close));
         reserved[12] = 1;
         assert!(Header::decode(&reserved, HEADER_LEN).is_err());

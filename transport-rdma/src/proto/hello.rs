@@ -5,7 +5,7 @@ use super::{ProtocolError, HEADER_LEN};
 /// First bytes of every [`Hello`]: `"RRPC"`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
 /// Set in a hello's flags when its side reads rendezvous transfers

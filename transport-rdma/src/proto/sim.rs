@@ -114,6 +114,8 @@ struct Side {
     /// The rest of the ring registers when the protocol asks (else the
     /// registration fails, and the ring stays at its first slots).
     ring_registers: bool,
+    /// The ring's slots registered: `0..ring_registered`.
+    ring_registered: u32,
     occupied: Vec<bool>,
     writes: VecDeque<(u64, usize, usize)>,
     /// Send slots and staging, as the sender encodes into them.
@@ -179,6 +181,7 @@ impl Side {
             region: vec![0; REGION],
             region_registered: false,
             ring_registers: true,
+            ring_registered: initial,
             occupied: vec![false; REGION],
             writes: VecDeque::new(),
             send: vec![vec![0; SLOT_SIZE]; SEND_SLOTS],
@@ -329,6 +332,10 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
         match t {
             Transmit::Recv { slot } => {
                 assert!(!me.posted.contains(&slot), "slot {slot} posted twice");
+                assert!(
+                    slot < me.ring_registered,
+                    "slot {slot} posted, not registered"
+                );
                 me.posted.push_back(slot);
             }
             Transmit::Write {
@@ -418,10 +425,35 @@ fn pump(me: &mut Side, peer: &mut Side, wire: &mut VecDeque<Msg>) -> usize {
                 assert!(from < to && to <= SLOTS, "growth to {to} of {SLOTS} slots");
                 if me.ring_registers {
                     RINGS_GROWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    me.ring_registered = to;
                     me.conn.ring_registered();
                 } else {
                     me.conn.ring_not_registered();
                 }
+            }
+            Transmit::DeregisterRing { from } => {
+                assert_eq!(
+                    from,
+                    me.conn.ring_slots_in_use(),
+                    "shrunk to the slots in use"
+                );
+                assert!(from < me.ring_registered, "nothing to deregister");
+                let unpolled =
+                    me.completions
+                        .iter()
+                        .filter_map(|c| match WorkKind::from_wr_id(c.0) {
+                            Some((WorkKind::Recv, slot)) => Some(slot),
+                            _ => None,
+                        });
+                for slot in me.posted.iter().chain(&me.held).copied().chain(unpolled) {
+                    assert!(slot < from, "slot {slot} deregistered while in use");
+                }
+                me.ring_registered = from;
+                // What a read of them now would see.
+                for slot in &mut me.slots[from as usize..] {
+                    slot.fill(0xEE);
+                }
+                RINGS_SHRUNK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             Transmit::Release { transfer } => {
                 let rkeys = me
@@ -689,15 +721,22 @@ fn run(seed: u64, steps: usize) {
             8 => {
                 poll(&mut a);
                 // Now and then, a side that finds itself idle gives the
-                // peer's region back (the driver's tick).
+                // peer's region back and shrinks its ring (the driver's
+                // tick).
                 if rng.below(8) == 0 {
                     a.conn.return_idle_region();
+                }
+                if rng.below(3) == 0 {
+                    a.conn.shrink_idle_ring();
                 }
             }
             9 => {
                 poll(&mut b);
                 if rng.below(8) == 0 {
                     b.conn.return_idle_region();
+                }
+                if rng.below(3) == 0 {
+                    b.conn.shrink_idle_ring();
                 }
             }
             _ => {
@@ -740,10 +779,17 @@ fn run(seed: u64, steps: usize) {
         a.conn.reads_completed() + b.conn.reads_completed(),
         std::sync::atomic::Ordering::Relaxed,
     );
-    for (side, name) in [(&a, "a"), (&b, "b")] {
+    for (side, initial, name) in [(&a, initial_a, "a"), (&b, initial_b, "b")] {
         assert!(
             side.app_queue.is_empty() && side.conn.queued() == 0,
             "seed {seed}: {name} stalled: {}",
+            side.conn.summary()
+        );
+        // A shrink ends once every slot to retire came back: all but
+        // those of frames the application keeps.
+        assert!(
+            side.conn.ring_retiring() == 0 || side.held.iter().any(|&s| s >= initial),
+            "seed {seed}: {name}'s ring did not finish shrinking: {}",
             side.conn.summary()
         );
     }
@@ -819,6 +865,9 @@ fn run(seed: u64, steps: usize) {
 static RENDEZVOUS_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Regions given back by their writer (and deregistered by their owner).
 static REGIONS_RETURNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Rings that shrank back to their first slots (and deregistered the
+/// others).
+static RINGS_SHRUNK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Rings that grew while traffic ran.
 static RINGS_GROWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Runs without the rendezvous where a frame was delivered before one
@@ -834,6 +883,12 @@ fn randomized_two_endpoints() {
     // passed chunked ones in the others.
     assert!(RENDEZVOUS_READS.load(std::sync::atomic::Ordering::Relaxed) > 1000);
     assert!(RINGS_GROWN.load(std::sync::atomic::Ordering::Relaxed) > 50);
+    eprintln!(
+        "rings grown {}, shrunk {}",
+        RINGS_GROWN.load(std::sync::atomic::Ordering::Relaxed),
+        RINGS_SHRUNK.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(RINGS_SHRUNK.load(std::sync::atomic::Ordering::Relaxed) > 50);
     assert!(PASSED.load(std::sync::atomic::Ordering::Relaxed) > 10);
     // Regions were given back and asked for again.
     assert!(REGIONS_RETURNED.load(std::sync::atomic::Ordering::Relaxed) > 100);
@@ -931,6 +986,64 @@ fn settle(a: &mut Side, b: &mut Side, to_b: &mut VecDeque<Msg>, to_a: &mut VecDe
         }
     }
     panic!("still moving after 100,000 rounds");
+}
+
+/// A ring grown by many frames in flight shrinks back to its first slots
+/// once its peer is quiet, though no frame comes: the peer's `Credit`
+/// messages consume every receive posted, and the ring grows again when
+/// traffic needs it.
+#[test]
+fn an_idle_ring_shrinks_back_to_its_first_slots_and_grows_again() {
+    let mut a = Side::with(None, 4, 4);
+    let mut b = Side::with(None, 4, 4);
+    let (mut to_b, mut to_a) = (VecDeque::new(), VecDeque::new());
+    let burst = |b: &mut Side, from: usize| {
+        let frames: Vec<_> = (from..from + 60).map(|i| frame(i, INLINE_MAX)).collect();
+        b.app_queue.extend(frames.iter().cloned());
+        frames.into_iter().map(Got::Frame).collect::<Vec<_>>()
+    };
+    let mut want = burst(&mut b, 0);
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    let grown = a.conn.ring_slots_in_use();
+    assert!(
+        grown > 4 && a.ring_registered == grown,
+        "a's ring did not grow: {grown}"
+    );
+    // The first idle check sees the burst's peak; the next one a quiet peer.
+    assert!(
+        !a.conn.shrink_idle_ring(),
+        "shrunk with the burst just past"
+    );
+    assert!(a.conn.shrink_idle_ring());
+    assert!(
+        !a.conn.shrink_idle_ring(),
+        "a second shrink while shrinking"
+    );
+    let shrunk = RINGS_SHRUNK.load(std::sync::atomic::Ordering::Relaxed);
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    assert_eq!(
+        (
+            a.conn.ring_slots_in_use(),
+            a.ring_registered,
+            a.conn.ring_retiring()
+        ),
+        (4, 4, 0),
+        "a's ring did not shrink back: {}",
+        a.conn.summary()
+    );
+    assert!(RINGS_SHRUNK.load(std::sync::atomic::Ordering::Relaxed) > shrunk);
+    assert_eq!(
+        b.conn.credits_available(),
+        4,
+        "b's window is a's first slots"
+    );
+    // Traffic grows it again, into the same slots.
+    want.extend(burst(&mut b, 60));
+    settle(&mut a, &mut b, &mut to_b, &mut to_a);
+    assert_eq!(a.conn.ring_slots_in_use(), grown);
+    assert_eq!(a.ring_registered, grown);
+    check_order(&a.got, &want, "a");
+    assert!(b.app_queue.is_empty() && b.conn.queued() == 0);
 }
 
 #[test]
