@@ -347,6 +347,80 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
     }
 }
 
+/// A receive ring grown by many calls at once shrinks back to its first
+/// slots once its peer keeps few calls in flight: after a pause with no
+/// call at all (the peer's `Credit` messages consume the receives posted
+/// in the slots let go), and again while calls go one at a time. The
+/// rings grow again with the next burst, and every call is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_ring_grown_by_many_calls_at_once_shrinks_back_once_they_stop() {
+    const IDLE: Duration = Duration::from_millis(300);
+    let env = TestEnv::from_env();
+    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+    assert!(
+        quiet,
+        "{} bytes still registered by earlier tests",
+        registered_bytes()
+    );
+    rpc_core::transport::register(Arc::new(
+        RdmaTransport::default().release_idle_memory(Some(IDLE)),
+    ));
+    let server = TestServer::start(&env.local_listen(), |b| b).await;
+    let client = Client::new(Channel::connect(&server.address).await.unwrap());
+    // Frames of 100 B go inline: nothing but the rings is registered.
+    echo(&client, 0, 100).await;
+    let first_slots = registered_bytes();
+    assert_eq!(first_slots, 2 * IDLE_PER_END, "both ends' first ring slots");
+    let mut call = 1;
+    for quiet_calls in [false, true] {
+        // Bursts of 64 calls until a ring grows (a burst may be answered
+        // as fast as it comes).
+        let mut bursts = 0;
+        while registered_bytes() == first_slots && bursts < 10 {
+            join_all((0..64).map(|i| echo(&client, call + i, 100))).await;
+            call += 64;
+            bursts += 1;
+        }
+        let grown = registered_bytes();
+        assert!(
+            grown > first_slots,
+            "no ring grew in {bursts} bursts of 64 calls ({grown} bytes registered)"
+        );
+        let since = Instant::now();
+        let shrunk = support::eventually(Duration::from_secs(10), || {
+            if quiet_calls {
+                // One call at a time, on a task of its own.
+                let client = client.clone();
+                tokio::spawn(async move { echo(&client, 0, 100).await });
+            }
+            registered_bytes() == first_slots
+        })
+        .await;
+        assert!(
+            shrunk,
+            "{} bytes registered 10 s after the bursts ({}), {grown} right after them, \
+             {first_slots} for the first slots: expected the grown rings deregistered after {IDLE:?}",
+            registered_bytes(),
+            if quiet_calls { "calls one at a time meanwhile" } else { "no call meanwhile" }
+        );
+        // Not a check: how long it took.
+        println!(
+            "{} KiB of grown rings deregistered {:.1?} after the bursts ({})",
+            (grown - first_slots) >> 10,
+            since.elapsed(),
+            if quiet_calls {
+                "calls one at a time meanwhile"
+            } else {
+                "no call meanwhile"
+            }
+        );
+        echo(&client, call, 100).await;
+        call += 1;
+    }
+    server.stop().await;
+}
+
 /// Connections of the scale test (issue 14's target).
 const SCALE_CONNECTIONS: usize = 2000;
 /// Its geometry, the smallest that still takes both paths: a ring of 8

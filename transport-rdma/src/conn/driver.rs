@@ -173,9 +173,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
     let mut linger_since: Option<Instant> = None;
     let mut unsent = (0, 0);
     let mut keepalive = d.keepalive.map(ticks_every);
-    // Ticks while this side holds staging, the peer's region or registered
-    // send slots (a connection whose frames all go inline has no timer
-    // for it).
+    // Ticks while this side holds staging, the peer's region, registered
+    // send slots or a grown receive ring (a connection whose frames all go
+    // inline, a few at a time, has no timer for it).
     let mut idle_checks: Option<tokio::time::Interval> = None;
     let mut seen_at_tick = 0;
     // A probe was posted at the last tick and nothing completed since.

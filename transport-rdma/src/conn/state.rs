@@ -433,9 +433,13 @@ impl State {
     }
 
     /// Whether this side holds memory it lets go once idle: staging, the
-    /// peer's region granted, registered send slots.
+    /// peer's region granted, registered send slots, a receive ring grown
+    /// past its first slots.
     pub(super) fn holds_idle_memory(&self) -> bool {
-        self.staging.is_some() || self.proto.peer_region().is_some() || self.send_slots_registered
+        self.staging.is_some()
+            || self.proto.peer_region().is_some()
+            || self.send_slots_registered
+            || self.proto.ring_grown()
     }
 
     /// If no frame used staging since the last call and no chunk holds

@@ -2290,6 +2290,12 @@ impl Connection {
         self.ring.slots()
     }
 
+    /// Whether the receive ring has more slots in use than its first ones
+    /// (grown, and not yet shrunk back).
+    pub fn ring_grown(&self) -> bool {
+        self.ring.grown()
+    }
+
     /// Receive slots still to retire while the ring shrinks (0 otherwise).
     pub fn ring_retiring(&self) -> u32 {
         self.ring.retiring()

@@ -151,6 +151,11 @@ impl RecvRing {
         self.slots
     }
 
+    /// Whether more slots than the first ones are in use.
+    pub fn grown(&self) -> bool {
+        self.slots > self.first
+    }
+
     /// Whether to grow the ring: the peer has half of the slots in use
     /// consumed (it keeps that many messages unanswered).
     pub fn wants_growth(&self) -> bool {
