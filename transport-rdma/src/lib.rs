@@ -540,9 +540,18 @@ impl RdmaTransport {
     /// - the send slots (128 KiB by default, more if many frames were in
     ///   flight at once), registered for the first SEND too long to go
     ///   inline: deregistered once none is in flight.
+    /// - the receive ring's slots past its first 8 (64 KiB by default),
+    ///   registered in doublings (up to 448 KiB more) while the peer
+    ///   keeps many messages in flight: once the peer never had half of
+    ///   the first slots' worth at once for a period, the others are
+    ///   retired as their messages are handled and deregistered (the peer
+    ///   answers `RingShrinks` with as many `Credit` messages as it has
+    ///   receives posted, so an idle peer consumes them too). This
+    ///   setting is the receiving side's.
     ///
-    /// So a connection that carried a tensor once and then only small
-    /// calls, or nothing, keeps pinned only its receive ring's slots.
+    /// So a connection that carried a tensor or many calls at once and
+    /// then only a few calls at a time, or nothing, keeps pinned only its
+    /// receive ring's first slots.
     pub fn release_idle_memory(mut self, after: Option<Duration>) -> RdmaTransport {
         self.release_idle_memory = after;
         self
