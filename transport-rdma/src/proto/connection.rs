@@ -379,6 +379,13 @@ impl Transmit {
     }
 }
 
+/// The `Done` that tells the peer we read its transfer.
+fn done_header(transfer: u64) -> Header {
+    let mut h = Header::new(Kind::Done);
+    h.pos = transfer;
+    h
+}
+
 /// Our receive ring, as it grows with the peer's traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RingGrowth {
@@ -780,12 +787,6 @@ pub struct Connection {
     slot_size: usize,
     ring: RecvRing,
     ring_growth: RingGrowth,
-    /// While shrinking: the messages to ask the peer for (`RingShrinks`),
-    /// until that goes.
-    shrink_request: Option<u32>,
-    /// `Credit` messages the peer asked for (its `RingShrinks`) and not
-    /// yet sent: each consumes one of its receives.
-    fillers_owed: u32,
     own_region: OwnRegion,
     reader: RegionReader,
     reassembly: Reassembly,
@@ -813,8 +814,11 @@ pub struct Connection {
     read_pace: Pace,
     read_seq: u32,
     reads_completed: u64,
-    /// `Done` messages to send.
-    dones: VecDeque<u64>,
+    /// Control messages to send, each from a control slot with a data
+    /// credit, each header as many times as its count: `Done`s, our
+    /// `RingShrinks`, and the `Credit` messages a peer's `RingShrinks`
+    /// asked for (one entry, at most the peer's ring in all).
+    control_out: VecDeque<(Header, u32)>,
     // both
     lifecycle: Lifecycle,
     transmit: VecDeque<Transmit>,
@@ -852,8 +856,6 @@ impl Connection {
             } else {
                 RingGrowth::Done
             },
-            shrink_request: None,
-            fillers_owed: 0,
             own_region: OwnRegion::Unasked,
             reader: RegionReader::new(cfg.region_len),
             reassembly: Reassembly::new(cfg.max_frame_len, cfg.max_skip_len, cfg.prefix_len),
@@ -887,7 +889,7 @@ impl Connection {
             read_pace: Pace::default(),
             read_seq: 0,
             reads_completed: 0,
-            dones: VecDeque::new(),
+            control_out: VecDeque::new(),
             lifecycle: Lifecycle::Open,
             transmit: VecDeque::new(),
             wake: Wakeups::default(),
@@ -1036,7 +1038,7 @@ impl Connection {
             // The peer may still read our transfers until it says `Done`;
             // it waits for our `Done` of its own.
             && self.outgoing.is_empty()
-            && self.dones.is_empty()
+            && self.control_out.is_empty()
             && self
                 .incoming
                 .iter()
@@ -1466,35 +1468,21 @@ impl Connection {
         // wait for the whole of a large frame.
         while self.pump_front() | self.pass_chunked_frame() {}
         self.schedule_reads();
-        // `Done`s go from control slots, each taking a data credit (the
-        // reserved one stays for `Credit` and `Close`).
-        while !self.dones.is_empty() && !self.free_ctrl.is_empty() && self.credits.take_data() {
+        // `Done`s and a ring's shrink go from control slots, each taking
+        // a data credit (the reserved one stays for `Credit` and `Close`).
+        while let Some((header, count)) = self.control_out.front_mut() {
+            if self.free_ctrl.is_empty() || !self.credits.take_data() {
+                break;
+            }
+            let header = *header;
+            *count -= 1;
+            if *count == 0 {
+                self.control_out.pop_front();
+            }
             let slot = self.free_ctrl.pop().expect("checked");
-            let transfer = self.dones.pop_front().expect("checked");
-            let mut h = Header::new(Kind::Done);
-            h.pos = transfer;
             // Any control message answers a probe.
             self.probe = false;
-            self.push_send(WorkKind::Control, slot, h, 0);
-        }
-        // Asking the peer to consume our receives while the ring shrinks,
-        // and the `Credit` messages that do so when the peer asked:
-        // likewise.
-        if let Some(messages) = self.shrink_request {
-            if !self.free_ctrl.is_empty() && self.credits.take_data() {
-                let slot = self.free_ctrl.pop().expect("checked");
-                self.shrink_request = None;
-                let mut h = Header::new(Kind::RingShrinks);
-                h.pos = messages.into();
-                self.probe = false;
-                self.push_send(WorkKind::Control, slot, h, 0);
-            }
-        }
-        while self.fillers_owed > 0 && !self.free_ctrl.is_empty() && self.credits.take_data() {
-            let slot = self.free_ctrl.pop().expect("checked");
-            self.fillers_owed -= 1;
-            self.probe = false;
-            self.push_send(WorkKind::Control, slot, Header::new(Kind::Credit), 0);
+            self.push_send(WorkKind::Control, slot, header, 0);
         }
         // Asking for the peer's region likewise: a data message's credit,
         // as the frames that wait for it need.
@@ -1699,7 +1687,7 @@ impl Connection {
                     t.read += len;
                     if t.read == t.len {
                         t.state = InState::Read;
-                        self.dones.push_back(transfer);
+                        self.control_out.push_back((done_header(transfer), 1));
                         self.wake.receiver = true;
                     }
                 }
@@ -1760,8 +1748,6 @@ impl Connection {
             );
             self.transmit.push_back(Transmit::DeregisterRing { from });
             self.ring_growth = RingGrowth::Growable;
-            // Every slot came back: the peer need not send more for it.
-            self.shrink_request = None;
         }
     }
 
@@ -1848,7 +1834,14 @@ impl Connection {
                         header.pos
                     )));
                 }
-                self.fillers_owed = (self.fillers_owed + header.pos as u32).min(limit);
+                let credit = Header::new(Kind::Credit);
+                match self.control_out.iter_mut().find(|(h, _)| *h == credit) {
+                    Some((_, owed)) => *owed = (*owed + header.pos as u32).min(limit),
+                    None if header.pos > 0 => {
+                        self.control_out.push_back((credit, header.pos as u32))
+                    }
+                    None => {}
+                }
             }
             Kind::RegionWanted => {
                 self.repost(slot);
@@ -1934,7 +1927,7 @@ impl Connection {
         if over {
             // Skipped unread (or failing the connection at delivery):
             // the sender may release it at once.
-            self.dones.push_back(transfer);
+            self.control_out.push_back((done_header(transfer), 1));
         }
         // The head came with the announcement: the READs fetch the rest.
         let head = ann.head_len as usize;
@@ -2206,7 +2199,9 @@ impl Connection {
             return false;
         }
         self.ring_growth = RingGrowth::Shrinking;
-        self.shrink_request = Some(self.ring.shrink());
+        let mut request = Header::new(Kind::RingShrinks);
+        request.pos = self.ring.shrink().into();
+        self.control_out.push_back((request, 1));
         true
     }
 
@@ -2320,7 +2315,7 @@ impl Connection {
             "credits {} queue {} (front {}) free_send {} free_ctrl {} free_heap {} chunks_single_bytes {} \
              chunk_rate {:?} read_rate {:?} heap_queued {} in_flight {} writer_in_use {} | ring slots {} of {} held {} outstanding {} pending {} \
              fresh {} arrived {} reader_wants_report {} | regions peer {:?} own {:?} | rendezvous out {} in {} reads {} \
-             pool {} dones {} | {:?}",
+             pool {} control_out {} | {:?}",
             self.credits.available(),
             self.queue.len(),
             match self.queue.front() {
@@ -2353,7 +2348,7 @@ impl Connection {
             self.incoming.len(),
             self.reads.len(),
             self.pool_in_use,
-            self.dones.len(),
+            self.control_out.len(),
             self.lifecycle,
         )
     }
