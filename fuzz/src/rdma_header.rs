@@ -48,6 +48,10 @@ pub fn check(data: &[u8]) {
             assert_eq!(body, 0);
             assert_eq!((header.len, header.flags), (0, 0));
         }
+        Kind::RingShrinks => {
+            assert_eq!(body, 0);
+            assert_eq!((header.len, header.total, header.flags), (0, 0, 0));
+        }
         Kind::Credit | Kind::Close | Kind::RegionWanted | Kind::RegionReturned => {
             assert_eq!(body, 0);
             assert_eq!((header.len, header.total, header.pos), (0, 0, 0));

@@ -189,6 +189,26 @@ fn headers() -> Vec<(&'static str, Header, usize)> {
             },
             0,
         ),
+        ("region-wanted", Header::new(Kind::RegionWanted), 0),
+        (
+            "region-granted",
+            Header {
+                pos: 0,
+                total: 0x1234,
+                ..Header::new(Kind::RegionGranted)
+            },
+            0,
+        ),
+        ("region-returned", Header::new(Kind::RegionReturned), 0),
+        (
+            "ring-shrinks",
+            Header {
+                pos: 56,
+                credits: 2,
+                ..Header::new(Kind::RingShrinks)
+            },
+            0,
+        ),
     ]
 }
 

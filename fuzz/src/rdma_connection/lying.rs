@@ -222,15 +222,16 @@ impl Model {
             ));
         }
         match header.kind {
-            Kind::Chunk if !self.own_granted => {
-                Some("a chunk before we granted our region".into())
-            }
+            Kind::Chunk if !self.own_granted => Some("a chunk before we granted our region".into()),
             Kind::RegionWanted if self.peer_asked => Some("our region asked for twice".into()),
             Kind::RegionGranted if !self.asked_region || self.peer_granted => {
                 Some("a region grant unasked".into())
             }
             Kind::RegionReturned if !self.own_granted => {
                 Some("a region returned we did not grant".into())
+            }
+            Kind::RingShrinks if header.pos > u64::from(SLOTS) => {
+                Some("more messages asked for than the peer's ring has slots".into())
             }
             _ => None,
         }
@@ -344,6 +345,7 @@ pub fn check(ops: &[Op]) {
                     Kind::RegionWanted,
                     Kind::RegionGranted,
                     Kind::RegionReturned,
+                    Kind::RingShrinks,
                 ];
                 let mut header = Header::new(kinds[usize::from(*kind) % kinds.len()]);
                 // Only the fields its kind carries (a header malformed
@@ -360,6 +362,7 @@ pub fn check(ops: &[Op]) {
                         header.total = *total;
                         header.pos = u64::from(*pos);
                     }
+                    Kind::RingShrinks => header.pos = u64::from(*pos),
                     Kind::Credit
                     | Kind::Close
                     | Kind::Announce
@@ -515,8 +518,10 @@ fn arrive(m: &mut Model, slot: u32, header: &[u8], byte_len: usize) {
     m.freed_to = h.freed_to;
     match h.kind {
         Kind::Inline | Kind::Chunk => m.deliverable += 1,
-        // Reposted at once: the harness sees it in the next transmit.
-        Kind::Credit | Kind::Close => {}
+        // Reposted at once: the harness sees it in the next transmit (a
+        // `RingShrinks` is answered with `Credit` messages, which the
+        // checks of every SEND cover).
+        Kind::Credit | Kind::Close | Kind::RingShrinks => {}
         Kind::RegionWanted => m.peer_asked = true,
         Kind::RegionGranted => m.peer_granted = true,
         // Ours may be asked for again once deregistered.
@@ -631,6 +636,7 @@ fn transmitted(t: &Transmit, m: &mut Model) {
             panic!("rendezvous work with the rendezvous off: {t:?}")
         }
         Transmit::RegisterRing { .. } => panic!("the ring grew, though whole from the start"),
+        Transmit::DeregisterRing { .. } => panic!("the ring shrank, though never grown"),
         Transmit::RegisterRegion => {
             assert!(
                 m.peer_asked && !m.registered,

@@ -319,6 +319,17 @@ fn pump(me: &mut Side) -> usize {
                 panic!("rendezvous work with the rendezvous off: {t:?}")
             }
             Transmit::RegisterRing { .. } => me.conn.ring_registered(),
+            Transmit::DeregisterRing { from } => {
+                assert_eq!(
+                    from,
+                    me.conn.ring_slots_in_use(),
+                    "shrunk to the slots in use"
+                );
+                assert!(
+                    me.posted.iter().all(|&slot| slot < from),
+                    "ring slots from {from} deregistered with a receive posted in them"
+                );
+            }
             Transmit::RegisterRegion => {
                 assert!(!me.region_registered, "the region registered twice");
                 me.region_registered = true;
@@ -680,9 +691,10 @@ pub fn check(input: &PairInput) -> Moved {
             }
             PairOp::Close { b: on_b } => (if on_b { &mut b } else { &mut a }).conn.close(),
             PairOp::ReturnRegion { b: on_b } => {
-                (if on_b { &mut b } else { &mut a })
-                    .conn
-                    .return_idle_region();
+                // The driver's idle check: the region back, the ring shrunk.
+                let me = if on_b { &mut b } else { &mut a };
+                me.conn.return_idle_region();
+                me.conn.shrink_idle_ring();
             }
         }
         a.assert_ok("a");

@@ -26,7 +26,7 @@
 //!   work requests to post and frames to deliver out), which the verbs
 //!   layer drives and the simulation tests.
 //!
-//! # Wire protocol (version 5)
+//! # Wire protocol (version 7)
 //! Every message is one SEND into a receive slot, starting with a 32-byte
 //! [`Header`]. An `Inline` message carries a whole frame after the header.
 //! A `Chunk` message announces `len` bytes the sender has just RDMA-written
@@ -44,14 +44,20 @@
 //! before its first `Chunk`, answered by `RegionGranted` (the region's
 //! address and rkey); a sender that went idle with all of the region
 //! freed gives it back (`RegionReturned`: the receiver deregisters it) and
-//! asks again when a frame needs it.
+//! asks again when a frame needs it. A receiver whose peer keeps few
+//! messages in flight again shrinks its ring back to its first slots: it
+//! retires the others as their messages are handled (no repost, no
+//! credit) and asks the peer (`RingShrinks`) for as many messages as it
+//! has receives posted, which the peer sends as `Credit` messages, so
+//! every receive posted in a retired slot is consumed.
 //! `Announce` and `Done` carry the rendezvous of large frames (the
 //! receiver RDMA READs them out of the sender's memory): see the
 //! `rendezvous` module's docs, [`Announcement`] and [`RendezvousConfig`].
 //! (Version 2 added them; version 4 the region on request, where version 3
 //! put its address and rkey in the hello; version 5 the ring's first slots,
-//! where version 4 posted all of them; version 6 `RegionReturned`; a peer
-//! of another version is refused at connect.)
+//! where version 4 posted all of them; version 6 `RegionReturned`;
+//! version 7 `RingShrinks`; a peer of another version is refused at
+//! connect.)
 
 pub mod auth;
 mod connection;
