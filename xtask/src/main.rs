@@ -1,11 +1,13 @@
 //! `cargo xtask`: the project's developer and CI tasks.
 //!
 //! - `cargo xtask demo`: the main job, a real RPC server and client.
-//! - `cargo xtask test`: every test in the workspace.
+//! - `cargo xtask test`: every test in the workspace, the codegen consumer
+//!   crate's and the fuzz harnesses'.
 //! - `cargo xtask rxe -- COMMAND`: run COMMAND against Soft-RoCE in a VM.
 //! - `cargo xtask rxe-baseline`: perftest numbers on that device.
 //! - `cargo xtask bench [--quick] [--tcp|--rdma]`: end-to-end benchmark against tonic and raw TCP, and over RDMA against perftest.
-//! - `cargo xtask fuzz [--minutes N] [TARGET...]`: the fuzz targets in `fuzz/` (not run in CI).
+//! - `cargo xtask fuzz [--minutes N] [TARGET...]`: the fuzz targets in `fuzz/` under
+//!   libFuzzer (not run in CI).
 
 mod bench;
 mod fuzz;
@@ -491,6 +493,7 @@ fn test() -> Result<(), String> {
     cargo(&["test", "--workspace", "--all-targets"])?;
     cargo(&["test", "--workspace", "--doc"])?;
     codegen_consumer_tests()?;
+    fuzz_harness_tests()?;
     rxe::run_rdma_tests()?;
     Ok(())
 }
@@ -522,6 +525,20 @@ fn codegen_consumer_tests() -> Result<(), String> {
             .current_dir(&root))?;
     }
     Ok(())
+}
+
+/// Tests the fuzz targets' harnesses (`fuzz/`, a crate outside the
+/// workspace: `cargo xtask fuzz` runs them under libFuzzer): each target's
+/// checks on its committed seeds, which must match what today's encoders
+/// produce. So a change to a protocol the harnesses model fails here, not
+/// at the next fuzzing run.
+fn fuzz_harness_tests() -> Result<(), String> {
+    let root = workspace_root();
+    run(Command::new(env_cargo())
+        .args(["test", "--manifest-path", "fuzz/Cargo.toml"])
+        // Its own target directory, as the consumer crate's.
+        .env("CARGO_TARGET_DIR", root.join("target/fuzz-harness"))
+        .current_dir(&root))
 }
 
 /// Runs `cargo ARGS` in the workspace root and fails if it fails.
