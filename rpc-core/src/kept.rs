@@ -29,6 +29,25 @@ pub const DEFAULT_KEPT: usize = 256 << 20;
 /// (`BytesMut::try_reclaim`). So keeping costs no memory while the frame
 /// lives, and a buffer is never handed out twice. Shared by a transport's
 /// connections.
+///
+/// ```
+/// use bytes::BytesMut;
+/// use rpc_core::kept::{KeptBuffers, KEPT_ABOVE};
+///
+/// let kept = KeptBuffers::new(256 << 20);
+/// let len = KEPT_ABOVE + 1;
+/// // A transport reads a large frame into a buffer, splits the frame off
+/// // to hand it up, and keeps the (empty) rest.
+/// let mut buf = BytesMut::zeroed(len);
+/// let frame = buf.split().freeze();
+/// kept.keep(buf, len);
+/// assert!(kept.take(len).is_none(), "the application holds the frame");
+/// // Once the application dropped it, the next large frame reuses it.
+/// let at = frame.as_ptr();
+/// drop(frame);
+/// let next = kept.take(len).expect("the frame is gone");
+/// assert_eq!((next.as_ptr(), next.len()), (at, 0));
+/// ```
 #[derive(Debug)]
 pub struct KeptBuffers {
     limit: usize,
