@@ -9,12 +9,13 @@
 //! buffering), so a connection holds at most about `2 × max_frame_len`
 //! bytes of partial frame; the process, that times its connections.
 //!
-//! A frame larger than [`KEPT_ABOVE`](rpc_core::kept::KEPT_ABOVE) (32 MiB) is collected in a kept buffer
-//! (of up to twice its total) when one is free ([`Reassembly::keep_buffers_in`]):
-//! memory the process holds already, its pages mapped, that an earlier
-//! frame was collected in and the application dropped. Its buffer goes
-//! back to the kept ones once the frame is handed up. A peer that
-//! announces such a frame and stops holds that buffer, nothing more.
+//! A frame larger than [`KEPT_ABOVE`](rpc_core::kept::KEPT_ABOVE)
+//! (32 MiB) is collected in a kept buffer (of up to twice its total) when
+//! one is free ([`Reassembly::keep_buffers_in`]): memory the process holds
+//! already, its pages mapped, that an earlier frame was collected in and
+//! the application dropped. Its buffer goes back to the kept ones once the
+//! frame is handed up. A peer that announces such a frame and stops holds
+//! that buffer, nothing more.
 //!
 //! There is no separate per-process budget of partial-frame bytes: a
 //! receiver over such a budget could only stop reading, and a partial frame
