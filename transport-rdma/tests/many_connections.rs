@@ -351,7 +351,9 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
 /// slots once its peer keeps few calls in flight: after a pause with no
 /// call at all (the peer's `Credit` messages consume the receives posted
 /// in the slots let go), and again while calls go one at a time. The
-/// rings grow again with the next burst, and every call is answered.
+/// rings grow again with the next burst, and every call is answered. And
+/// after region frames and many calls too long to go inline at once, all
+/// but the first ring slots is let go (the memory table's last row).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_ring_grown_by_many_calls_at_once_shrinks_back_once_they_stop() {
@@ -418,6 +420,37 @@ async fn a_ring_grown_by_many_calls_at_once_shrinks_back_once_they_stop() {
         echo(&client, call, 100).await;
         call += 1;
     }
+    // The last row of docs/benchmarks.md's memory table: region frames
+    // both ways, then many calls at once too long to go inline. Staging,
+    // the regions, the send slots and the grown rings all go once idle,
+    // down to both ends' first ring slots.
+    echo(&client, call, 200 << 10).await;
+    call += 1;
+    for _ in 0..3 {
+        join_all((0..64).map(|i| echo(&client, call + i, 4000))).await;
+        call += 64;
+    }
+    let busy = registered_bytes();
+    let since = Instant::now();
+    let released = support::eventually(Duration::from_secs(10), || {
+        registered_bytes() == first_slots
+    })
+    .await;
+    assert!(
+        released,
+        "{} bytes registered 10 s after region frames and 64 calls of 4,000 B at once \
+         ({busy} right after): expected only both ends' first ring slots ({first_slots})",
+        registered_bytes()
+    );
+    // Not a check: how much, and how long it took.
+    println!(
+        "{} KiB registered after region frames and 64 calls of 4,000 B at once: all but the \
+         first ring slots ({} KiB) let go {:.1?} after",
+        busy >> 10,
+        first_slots >> 10,
+        since.elapsed()
+    );
+    echo(&client, call, 4000).await;
     server.stop().await;
 }
 
