@@ -134,14 +134,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
 async fn memory_is_registered_as_the_frames_need_it() {
     let env = TestEnv::from_env();
     transport_rdma::install();
-    // Earlier tests' connections may still be closing on the teardown
-    // thread.
-    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
-    assert!(
-        quiet,
-        "{} bytes still registered by earlier tests after 60 s",
-        registered_bytes()
-    );
+    nothing_registered_by_earlier_tests().await;
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
     // Of an end, what only many frames at once register: the growth of
@@ -253,14 +246,7 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
     // Too large for a slot: the client's staging, the server's region.
     const REGION_FRAME: usize = 200 << 10;
     let env = TestEnv::from_env();
-    // Earlier tests' connections may still be closing on the teardown
-    // thread.
-    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
-    assert!(
-        quiet,
-        "{} bytes still registered by earlier tests",
-        registered_bytes()
-    );
+    nothing_registered_by_earlier_tests().await;
     for release in [None, Some(IDLE)] {
         let cfg = RdmaTransport::default().release_idle_memory(release);
         let mut listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
@@ -359,12 +345,7 @@ async fn an_idle_connection_keeps_only_its_rings_registered() {
 async fn a_ring_grown_by_many_calls_at_once_shrinks_back_once_they_stop() {
     const IDLE: Duration = Duration::from_millis(300);
     let env = TestEnv::from_env();
-    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
-    assert!(
-        quiet,
-        "{} bytes still registered by earlier tests",
-        registered_bytes()
-    );
+    nothing_registered_by_earlier_tests().await;
     rpc_core::transport::register(Arc::new(
         RdmaTransport::default().release_idle_memory(Some(IDLE)),
     ));
@@ -825,6 +806,17 @@ impl Probe {
             ms(2)
         )
     }
+}
+
+/// Waits for earlier tests' connections, which may still be closing on
+/// the teardown thread, to deregister their memory (at most 60 s).
+async fn nothing_registered_by_earlier_tests() {
+    let quiet = support::eventually(Duration::from_secs(60), || registered_bytes() == 0).await;
+    assert!(
+        quiet,
+        "{} bytes still registered by earlier tests after 60 s",
+        registered_bytes()
+    );
 }
 
 /// Echoes `size` bytes on `client` (connection `i`) and checks the reply.
