@@ -1036,9 +1036,10 @@ impl Connection {
             && self.queue.is_empty()
             && self.in_flight == 0
             // The peer may still read our transfers until it says `Done`;
-            // it waits for our `Done` of its own.
+            // it waits for our `Done` of its own. (A ring's shrink needs
+            // nothing more once the connection ends.)
             && self.outgoing.is_empty()
-            && self.control_out.is_empty()
+            && !self.control_out.iter().any(|(h, _)| h.kind == Kind::Done)
             && self
                 .incoming
                 .iter()
@@ -3017,6 +3018,28 @@ mod tests {
             .filter(|t| matches!(t, Transmit::Send { header, .. } if header.kind == Kind::Credit))
             .count();
         assert_eq!(credits, 3, "{posted:?}");
+
+        // Those it has no credit for do not hold up the end: once our
+        // `Close` went and every send completed, the connection is drained.
+        let mut c = Connection::new(cfg);
+        complete(
+            &mut c,
+            WorkKind::Recv.wr_id(0),
+            &message(Kind::RingShrinks, cfg.peer_ring_slots.into(), 0),
+        );
+        c.close();
+        let mut closed = false;
+        while let Some(t) = c.poll_transmit() {
+            if let Transmit::Send {
+                kind, slot, header, ..
+            } = t
+            {
+                closed |= header.kind == Kind::Close;
+                complete(&mut c, kind.wr_id(slot), &[]);
+            }
+        }
+        assert!(closed && c.credits_available() == 0, "{}", c.summary());
+        assert!(c.is_drained(), "{}", c.summary());
 
         let mut c = Connection::new(cfg);
         let too_many = u64::from(cfg.peer_ring_slots) + 1;
