@@ -396,9 +396,6 @@ enum RingGrowth {
     /// Every slot is in use, or a registration failed (the ring stays as
     /// it is, and is not registered again).
     Done,
-    /// Going back to the first slots ([`Connection::shrink_idle_ring`]):
-    /// the others are retired as their messages are handled.
-    Shrinking,
 }
 
 /// The peer's region, as its writer (we) knows it. It exists only once
@@ -1741,13 +1738,14 @@ impl Connection {
     /// are deregistered.
     fn retire(&mut self, slot: u32, released: bool) {
         if self.ring.on_retired(released) {
-            debug_assert_eq!(self.ring_growth, RingGrowth::Shrinking);
             let from = self.ring.slots();
             debug_assert!(
                 !self.posted[from as usize..self.ring_slots as usize].contains(&true),
                 "slot {slot} retired last with receives still posted past {from}"
             );
             self.transmit.push_back(Transmit::DeregisterRing { from });
+            // Whole again or not before (a registration that failed), it
+            // may grow into its parts again.
             self.ring_growth = RingGrowth::Growable;
         }
     }
@@ -2191,15 +2189,15 @@ impl Connection {
     /// deregistered ([`Transmit::DeregisterRing`]), and the ring grows
     /// again as any ring does. Returns whether it decided so.
     pub fn shrink_idle_ring(&mut self) -> bool {
+        // No growth while it shrinks (`RecvRing::wants_growth`).
         let due = self.ring.shrink_due();
         if !due
-            || !matches!(self.ring_growth, RingGrowth::Growable | RingGrowth::Done)
+            || self.ring_growth == RingGrowth::Registering
             || self.lifecycle != Lifecycle::Open
             || self.failure().is_some()
         {
             return false;
         }
-        self.ring_growth = RingGrowth::Shrinking;
         let mut request = Header::new(Kind::RingShrinks);
         request.pos = self.ring.shrink().into();
         self.control_out.push_back((request, 1));

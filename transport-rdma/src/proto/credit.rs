@@ -213,7 +213,12 @@ impl RecvRing {
     /// reposted), so the first slots would have done.
     pub fn shrink_due(&mut self) -> bool {
         let peak = std::mem::replace(&mut self.peak, self.outstanding - self.pending);
-        self.slots > self.first && self.retiring == 0 && self.fresh == 0 && peak < self.first / 2
+        self.shrinkable() && peak < self.first / 2
+    }
+
+    /// Grown, not shrinking already, and every growth reported.
+    fn shrinkable(&self) -> bool {
+        self.slots > self.first && self.retiring == 0 && self.fresh == 0
     }
 
     /// Starts retiring every slot past the first ones: from now on
@@ -225,7 +230,7 @@ impl RecvRing {
     /// unreported.
     pub fn shrink(&mut self) -> u32 {
         assert!(
-            self.slots > self.first && self.retiring == 0 && self.fresh == 0,
+            self.shrinkable(),
             "a shrink of a ring not grown ({} of {} first slots), shrinking ({} left) \
              or with growth unreported ({})",
             self.slots,
