@@ -63,6 +63,9 @@
 //! For a frame over 32 MiB that room is, when one is free, the buffer of
 //! an earlier such frame that the application has dropped
 //! ([`kept_buffers`](TcpTransport::kept_buffers)), its pages mapped already.
+//! A connection's reader reads at most 256 KiB a poll while no frame
+//! completes, then gives its worker back: the tasks that earlier frames
+//! woke (a small call's handler) run before the rest of a large frame.
 //!
 //! # Listening
 //! A connection reset by its client before it was accepted is dropped
@@ -98,7 +101,7 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::mem;
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll, Waker};
@@ -114,7 +117,7 @@ use rpc_core::transport::{
 
 use budget::ReadBudget;
 use outgoing::{Bulk, Outgoing, Pace, INTERLEAVED};
-use reader::FrameReader;
+use reader::{FrameReader, PIECE_LEN};
 use tokio::io::AsyncRead;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -994,8 +997,18 @@ impl<R> TcpSource<R> {
     }
 }
 
+/// Bytes a connection's reader takes from its socket in one poll while no
+/// frame completes; then it lets its worker run the rest. Without a share,
+/// a large frame arriving back to back held the worker for all of it
+/// (tokio's budget counts reads, 128 of them, not bytes), and the tasks
+/// that the frames before it woke, queued on that worker, waited for it:
+/// the handler of a small call behind a 64 MiB one, and every socket whose
+/// readiness that worker's I/O driver would have seen.
+const READ_PER_POLL: usize = PIECE_LEN;
+
 impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, TransportError>> {
+        let mut read_here = 0;
         loop {
             match self.reader.next_frame() {
                 Ok(Some(frame)) => {
@@ -1022,7 +1035,15 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
                     self.reader.reserve_frame();
                 }
             }
+            if read_here >= READ_PER_POLL {
+                // Deferred, as `yield_now` does: the worker polls its I/O
+                // driver and runs what is ready before this reader again
+                // (a plain wake would put it first, for up to 61 turns).
+                let _ = pin!(tokio::task::yield_now()).poll(cx);
+                return Poll::Pending;
+            }
             let (buf, limit) = self.reader.read_target();
+            let limit = limit.min(READ_PER_POLL - read_here);
             let read = match ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.socket),
                 cx,
@@ -1036,6 +1057,7 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
                 Err(e) => return Poll::Ready(Err(TransportError::io("read from peer", e))),
             };
             self.reader.received(read);
+            read_here += read;
             if read == 0 {
                 return Poll::Ready(self.reader.end_of_stream());
             }
@@ -1073,6 +1095,56 @@ mod tests {
         assert_eq!(
             socket.tcp_user_timeout().unwrap(),
             Some(Duration::from_secs(16))
+        );
+    }
+
+    /// Counts its wakes.
+    struct Wakes(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_large_frame_all_there_is_read_a_share_per_poll_and_the_reader_asks_to_go_on() {
+        let body: Vec<u8> = (0..2 << 20).map(|i| (i % 251) as u8).collect();
+        let mut wire = (body.len() as u32).to_le_bytes().to_vec();
+        wire.extend_from_slice(&body);
+        let mut source = TcpSource {
+            socket: std::io::Cursor::new(wire),
+            reader: FrameReader::new(FrameLimits {
+                max_frame_len: 4 << 20,
+            }),
+            budget: ReadBudget::new(DEFAULT_READ_BUDGET),
+            claimed: 0,
+            received: Arc::new(AtomicBool::new(false)),
+        };
+        let wakes = Arc::new(Wakes(Default::default()));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut pending = 0;
+        let frame = loop {
+            match source.poll_recv(&mut cx) {
+                Poll::Ready(frame) => break frame.unwrap().unwrap(),
+                Poll::Pending => {
+                    pending += 1;
+                    // Outside a runtime the deferred wake is at once.
+                    assert_eq!(
+                        wakes.0.load(Ordering::Relaxed),
+                        pending,
+                        "a Pending with no wake stalls"
+                    );
+                }
+            }
+        };
+        assert_eq!(frame, body);
+        // Every byte was there: only the share per poll made it give way.
+        assert!(
+            pending >= body.len() / READ_PER_POLL - 1,
+            "{pending} polls gave way for a {} byte frame",
+            body.len()
         );
     }
 }
