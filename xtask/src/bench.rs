@@ -15,9 +15,12 @@
 //! rdma-rpc, and a bulk `RdmaStream` copy against `ib_write_bw`, in one
 //! guest. The parameter-server part ([`ps`]): `ps-server` / `ps-worker`
 //! pushing and pulling tensors over TCP against a raw TCP floor (`ps-raw`),
-//! and over RDMA against `ib_write_bw` / `ib_read_bw`, in one guest.
+//! and over RDMA against `ib_write_bw` / `ib_read_bw`, in one guest. The
+//! head-of-line part ([`hol`], `hol-bench`): small calls beside large ones
+//! on the same channel, over TCP and (in the guest) RDMA.
 
 mod fanout;
+mod hol;
 mod instructions;
 mod ps;
 mod rdma;
@@ -34,7 +37,7 @@ use crate::{cargo, rxe, setup, workspace_root, BUILD_PACKAGES};
 
 pub(crate) const BENCH_USAGE: &str = "details of bench:
   cargo xtask bench [--quick] [--tcp] [--rdma] [--fanout | --fanout-tcp] [--stream]
-                    [--instructions] [--ps] [--rpc-addr URL] [--out DIR]
+                    [--instructions] [--ps] [--hol] [--rpc-addr URL] [--out DIR]
     --quick         short measurements (about three minutes for the TCP part);
                     the report goes to target/bench/ unless --out is given
     --tcp           run the TCP part: rdma-rpc (its server as built by default,
@@ -61,8 +64,12 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
                     (ps-raw) and over RDMA against ib_write_bw/ib_read_bw
                     in one Soft-RoCE guest (about 6 minutes with --quick,
                     30 without)
+    --hol           run the head-of-line part: 32 B calls one at a time
+                    beside 64 MiB (TCP) or 16 MiB (RDMA, in a Soft-RoCE
+                    guest) calls on the same channel and on a channel of
+                    their own (about 3 minutes; 2 with --quick)
                     [without --tcp, --rdma, --fanout, --stream,
-                    --instructions or --ps: the first four for a full run,
+                    --instructions, --ps or --hol: the first four for a full run,
                     the TCP part alone for --quick]
     --rpc-addr URL  where the TCP part's rdma-rpc server listens
                     [tcp://127.0.0.1:0] (the comparators stay on TCP)
@@ -151,6 +158,8 @@ struct Settings {
     instructions: bool,
     /// Run the parameter-server part.
     ps: bool,
+    /// Run the head-of-line part.
+    hol: bool,
     rpc_addr: String,
     out: PathBuf,
     client_args: Vec<String>,
@@ -282,6 +291,21 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
             return Err(failed);
         }
     }
+    if settings.hol {
+        eprintln!("xtask bench: building hol-bench (release)");
+        cargo(&["build", "--release", "-p", "benches", "--bin", "hol-bench"])?;
+        let bin = target_dir().join("release/hol-bench");
+        let part = hol::run(&bin, settings.quick, &settings.command)?;
+        let md_path = settings.out.join("benchmarks.md");
+        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
+        std::fs::write(&md_path, splice(&existing, &part.generated, hol::MARKERS))
+            .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
+        eprintln!("xtask bench: wrote {}", md_path.display());
+        println!("\n{}", part.tables);
+        if let Some(failed) = part.failed {
+            return Err(failed);
+        }
+    }
     if settings.instructions {
         setup::ensure_debian_packages(&["valgrind"])?;
         let program = target_dir().join("release/call-instructions");
@@ -391,6 +415,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
     let mut stream = false;
     let mut instructions = false;
     let mut ps = false;
+    let mut hol = false;
     let mut rpc_addr = "tcp://127.0.0.1:0".to_string();
     let mut out = None;
     let mut args = given.iter();
@@ -404,13 +429,14 @@ fn parse(given: &[String]) -> Result<Settings, String> {
             "--stream" => stream = true,
             "--instructions" => instructions = true,
             "--ps" => ps = true,
+            "--hol" => hol = true,
             "--rpc-addr" => rpc_addr = args.next().ok_or("--rpc-addr needs a URL")?.clone(),
             "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a directory")?)),
             "-h" | "--help" => return Err(BENCH_USAGE.to_string()),
             other => return Err(format!("unknown option {other:?}\n{BENCH_USAGE}")),
         }
     }
-    if !tcp && !rdma && !fanout && !stream && !instructions && !ps {
+    if !tcp && !rdma && !fanout && !stream && !instructions && !ps && !hol {
         tcp = true;
         rdma = !quick;
         fanout = !quick;
@@ -461,6 +487,7 @@ fn parse(given: &[String]) -> Result<Settings, String> {
         stream,
         instructions,
         ps,
+        hol,
         rpc_addr,
         out,
         client_args,

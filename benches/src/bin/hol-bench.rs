@@ -1,5 +1,6 @@
 //! Head-of-line blocking: do small calls wait behind a large one on the
-//! same channel? Server and client in this process:
+//! same channel? Server and client in this process, on two tokio workers
+//! (the measuring in a task of its own, as `bench-node`'s):
 //!
 //! ```text
 //! hol-bench [--addr tcp://127.0.0.1:0 | rdma://IP:0] [--large-mib 64]
@@ -90,7 +91,14 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    match run(args).await {
+    // The measuring runs in a task, as `bench-node`'s does: a caller under
+    // `block_on` is a third thread beside the two workers, and waits for a
+    // core of its own at each answer while the workers copy large frames.
+    let measured = match tokio::spawn(run(args)).await {
+        Ok(measured) => measured,
+        Err(panicked) => Err(format!("the measuring task failed: {panicked}").into()),
+    };
+    match measured {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("hol-bench: {e}");
