@@ -1038,7 +1038,8 @@ impl<R: AsyncRead + Unpin + Send + 'static> FrameSource for TcpSource<R> {
             if read_here >= READ_PER_POLL {
                 // Deferred, as `yield_now` does: the worker polls its I/O
                 // driver and runs what is ready before this reader again
-                // (a plain wake would put it first, for up to 61 turns).
+                // (after a plain wake it polls the driver only every 61
+                // turns, so sockets made ready meanwhile would wait).
                 let _ = pin!(tokio::task::yield_now()).poll(cx);
                 return Poll::Pending;
             }
