@@ -67,7 +67,7 @@ pub(crate) const BENCH_USAGE: &str = "details of bench:
     --hol           run the head-of-line part: 32 B calls one at a time
                     beside 64 MiB (TCP) or 16 MiB (RDMA, in a Soft-RoCE
                     guest) calls on the same channel and on a channel of
-                    their own (about 3 minutes; 2 with --quick)
+                    their own (about 2 minutes)
                     [without --tcp, --rdma, --fanout, --stream,
                     --instructions, --ps or --hol: the first four for a full run,
                     the TCP part alone for --quick]
