@@ -2205,9 +2205,11 @@ impl Connection {
     }
 
     /// Nothing of the peer's region allocated (every chunk written was
-    /// consumed) and no frame queued that may need it.
+    /// consumed) and no frame queued, or being encoded, that may need it.
     fn region_idle(&self) -> bool {
-        self.writer.in_use() == 0 && self.queue.is_empty()
+        // `heap_queued`: a chunked frame is being encoded (not queued
+        // yet) or queued; its chunks take region space only as they go.
+        self.writer.in_use() == 0 && self.queue.is_empty() && !self.heap_queued
     }
 
     /// Bytes of the peer's region, and of our staging at the same
@@ -2995,6 +2997,36 @@ mod tests {
         grant(&mut writer, &mut owner, 200);
         assert_eq!((writer.failure(), owner.failure()), (None, None));
         assert_eq!(writer.peer_region(), Some((0x1000, 77)));
+    }
+
+    /// A chunked frame being encoded (its place taken, the frame not yet
+    /// queued: it is encoded without the connection's lock) keeps the
+    /// region: given back then, the frame's WRITEs would have no region
+    /// to go to (a device test met it: the verbs layer found no granted
+    /// region for a WRITE, and the peer a chunk in a region it had taken
+    /// back).
+    #[test]
+    fn a_chunked_frame_being_encoded_keeps_the_region() {
+        let mut writer = Connection::new(connection_config()).regions_granted();
+        let len = writer.max_unchunked() + 1;
+        let SendDecision::Encode(reservation) = writer.handle_send(len) else {
+            panic!("a chunked frame waits with the region granted");
+        };
+        assert!(
+            !writer.return_idle_region(),
+            "returned while a chunked frame is encoded"
+        );
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert_eq!(control_kinds(&posted), [], "{posted:?}");
+        writer
+            .queue_frame(reservation, Some(Bytes::from(vec![7u8; len]).into()))
+            .unwrap();
+        let posted: Vec<_> = std::iter::from_fn(|| writer.poll_transmit()).collect();
+        assert!(
+            posted.iter().any(|t| matches!(t, Transmit::Write { .. })),
+            "{posted:?}"
+        );
+        assert_eq!(writer.peer_region(), Some((0, 0)));
     }
 
     /// A peer's `RingShrinks` is answered with that many `Credit`
