@@ -139,6 +139,12 @@ struct Side {
     destinations: HashMap<u64, Vec<u8>>,
     /// Rendezvous frames the application holds (their lengths).
     pooled_held: Vec<usize>,
+    /// A chunked frame placed and still being encoded (the verbs layer
+    /// encodes it without the connection's lock), queued by the second
+    /// `send_frames` after: the connection is pumped, and anything else
+    /// may happen to it, meanwhile. Every other chunked frame waits so.
+    encoding: Option<(Reservation, FrameBytes, bool)>,
+    chunked_frames: u64,
 }
 
 const POOL: u64 = 2 * POOL_GRANULE;
@@ -197,6 +203,8 @@ impl Side {
             transfers: HashMap::new(),
             destinations: HashMap::new(),
             pooled_held: Vec::new(),
+            encoding: None,
+            chunked_frames: 0,
         }
     }
 }
@@ -224,6 +232,19 @@ impl ReadReceived for SimMemory<'_> {
 /// the connection says; returns how many were accepted.
 fn send_frames(me: &mut Side) -> usize {
     let mut accepted = 0;
+    match me.encoding.take() {
+        Some((reservation, heap, false)) => {
+            me.encoding = Some((reservation, heap, true));
+            return 0;
+        }
+        Some((reservation, heap, true)) => {
+            me.conn
+                .queue_frame(reservation, Some(heap))
+                .expect("queued");
+            accepted += 1;
+        }
+        None => {}
+    }
     while let Some(frame) = me.app_queue.front() {
         let r = match me.conn.handle_send(frame.len()) {
             SendDecision::Encode(r) => r,
@@ -251,11 +272,15 @@ fn send_frames(me: &mut Side) -> usize {
             EncodeInto::Heap => {
                 let frame = Bytes::from(frame);
                 let (a, b) = (frame.len() / 3, frame.len() * 2 / 3);
-                Some(FrameBytes::new(vec![
-                    frame.slice(..a),
-                    frame.slice(a..b),
-                    frame.slice(b..),
-                ]))
+                let heap =
+                    FrameBytes::new(vec![frame.slice(..a), frame.slice(a..b), frame.slice(b..)]);
+                me.chunked_frames += 1;
+                if me.chunked_frames % 2 == 0 {
+                    let reservation = reservation.in_lane(lane(&frame_lane));
+                    me.encoding = Some((reservation, heap, false));
+                    return accepted;
+                }
+                Some(heap)
             }
             EncodeInto::Rendezvous { slot, transfer } => {
                 assert!(
