@@ -263,14 +263,7 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
     }
     if settings.stream {
         let part = stream::run(&node, &settings)?;
-        let md_path = settings.out.join("benchmarks.md");
-        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
-        std::fs::write(
-            &md_path,
-            splice(&existing, &part.generated, stream::MARKERS),
-        )
-        .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
-        eprintln!("xtask bench: wrote {}", md_path.display());
+        write_section(&settings, &part.generated, stream::MARKERS)?;
         println!("\n{}", part.tables);
         if let Some(failed) = part.failed {
             return Err(failed);
@@ -296,11 +289,7 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         cargo(&["build", "--release", "-p", "benches", "--bin", "hol-bench"])?;
         let bin = target_dir().join("release/hol-bench");
         let part = hol::run(&bin, settings.quick, &settings.command)?;
-        let md_path = settings.out.join("benchmarks.md");
-        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
-        std::fs::write(&md_path, splice(&existing, &part.generated, hol::MARKERS))
-            .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
-        eprintln!("xtask bench: wrote {}", md_path.display());
+        write_section(&settings, &part.generated, hol::MARKERS)?;
         println!("\n{}", part.tables);
         if let Some(failed) = part.failed {
             return Err(failed);
@@ -310,14 +299,7 @@ pub(crate) fn bench_main(args: &[String]) -> Result<(), String> {
         setup::ensure_debian_packages(&["valgrind"])?;
         let program = target_dir().join("release/call-instructions");
         let generated = instructions::run(&program, &settings.command)?;
-        let md_path = settings.out.join("benchmarks.md");
-        let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
-        std::fs::write(
-            &md_path,
-            splice(&existing, &generated, instructions::MARKERS),
-        )
-        .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
-        eprintln!("xtask bench: wrote {}", md_path.display());
+        write_section(&settings, &generated, instructions::MARKERS)?;
         println!("\n{generated}");
     }
     eprintln!(
@@ -387,15 +369,22 @@ fn write_part(
 ) -> Result<(), String> {
     let svg_path = settings.out.join(svg_name);
     std::fs::write(&svg_path, svg).map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
+    eprintln!("xtask bench: wrote {}", svg_path.display());
+    write_section(settings, generated, markers)
+}
+
+/// Replaces the section between `markers` of `benchmarks.md` in the output
+/// directory with `generated` (the rest of the file is kept).
+fn write_section(
+    settings: &Settings,
+    generated: &str,
+    markers: (&str, &str),
+) -> Result<(), String> {
     let md_path = settings.out.join("benchmarks.md");
     let existing = std::fs::read_to_string(&md_path).unwrap_or_default();
     std::fs::write(&md_path, splice(&existing, generated, markers))
         .map_err(|e| format!("writing {}: {e}", md_path.display()))?;
-    eprintln!(
-        "xtask bench: wrote {} and {}",
-        md_path.display(),
-        svg_path.display()
-    );
+    eprintln!("xtask bench: wrote {}", md_path.display());
     Ok(())
 }
 

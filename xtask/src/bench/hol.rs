@@ -277,7 +277,6 @@ fn tables(results: &[Vec<Run>]) -> String {
             None => "–".into(),
         }
     };
-    let us = |v: f64| micros(v);
     let times = |v: f64| format!("{v:.1}×");
     for (case, runs) in CASES.iter().zip(results) {
         let _ = writeln!(
@@ -286,10 +285,10 @@ fn tables(results: &[Vec<Run>]) -> String {
             case.title,
             case.large_mib,
             cell(runs, &|r| r.small_calls, &|v| format!("{v:.0}")),
-            cell(runs, &|r| r.idle_p99, &us),
-            cell(runs, &|r| r.loaded_p50, &us),
-            cell(runs, &|r| r.loaded_p99, &us),
-            cell(runs, &|r| r.loaded_max, &us),
+            cell(runs, &|r| r.idle_p99, &micros),
+            cell(runs, &|r| r.loaded_p50, &micros),
+            cell(runs, &|r| r.loaded_p99, &micros),
+            cell(runs, &|r| r.loaded_max, &micros),
             cell(runs, &Run::ratio, &times),
             cell(runs, &|r| r.gb_per_s, &|v| format!("{v:.3}")),
         );
