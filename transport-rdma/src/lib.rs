@@ -339,6 +339,7 @@ pub struct RdmaTransport {
     auth_secret: Option<SharedSecret>,
     allowed_peers: Option<Arc<[IpPrefix]>>,
     kept: Arc<KeptBuffers>,
+    shared_protection_domain: bool,
 }
 
 impl Default for RdmaTransport {
@@ -369,6 +370,7 @@ impl Default for RdmaTransport {
             auth_secret: None,
             allowed_peers: None,
             kept: Arc::new(KeptBuffers::new(DEFAULT_KEPT)),
+            shared_protection_domain: true,
         }
     }
 }
@@ -459,6 +461,21 @@ impl RdmaTransport {
     /// answering takes to fail.
     pub fn ack_timeout(mut self, exponent: Option<u8>) -> RdmaTransport {
         self.ack_timeout = exponent.map(|e| e.min(31));
+        self
+    }
+
+    /// Whether connections share one protection domain per device
+    /// (default `true`) rather than allocate one each: a kernel object
+    /// less per connection, and memory registered once can serve them all.
+    /// The peer of a connection then reaches its memory only through type
+    /// 2 memory windows bound to that connection's queue pair (its region
+    /// for writes, its rendezvous frames for reads), never through a
+    /// registration's rkey, which any queue pair of the domain could use;
+    /// a window is deallocated when the access ends. A device that
+    /// allocates no memory windows gets a domain per connection anyway
+    /// (logged once).
+    pub fn shared_protection_domain(mut self, shared: bool) -> RdmaTransport {
+        self.shared_protection_domain = shared;
         self
     }
 

@@ -17,7 +17,7 @@ use transport_rdma::proto::{
 };
 use transport_rdma::verbs::{
     Access, CmId, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain, QpCapabilities,
-    QueuePair,
+    QueuePair, RemoteRegion,
 };
 use transport_rdma::RdmaTransport;
 
@@ -416,6 +416,47 @@ impl RawReader {
         self.completion_of(600)
     }
 
+    /// RDMA WRITEs `bytes` at `addr` under `rkey`; the completion's error,
+    /// if any.
+    fn write(&mut self, addr: u64, rkey: u32, bytes: &[u8]) -> Result<(), String> {
+        self.send.write_at(0, bytes);
+        let len = bytes.len() as u64;
+        let remote = RemoteRegion { addr, rkey, len };
+        // SAFETY: `send` lives with the QP; the completion is awaited.
+        unsafe {
+            self.qp
+                .queue_write(700, &self.send, 0..bytes.len(), remote, 0, true)
+        }
+        .map_err(|e| e.to_string())?;
+        self.qp.post_queued().map_err(|e| e.to_string())?;
+        self.completion_of(700)
+    }
+
+    /// Asks for the server's region (`RegionWanted`); returns its address
+    /// and rkey from the grant.
+    fn region(&mut self) -> Result<(u64, u32), String> {
+        let wanted = Header::new(Kind::RegionWanted).to_bytes();
+        self.send.write_at(0, &wanted);
+        // SAFETY: `send` lives with the QP; the completion is awaited below.
+        unsafe { self.qp.post_send(600, &self.send, 0..wanted.len()) }
+            .map_err(|e| e.to_string())?;
+        let (mut sent, mut grant) = (false, None);
+        while !sent || grant.is_none() {
+            let wc = self.cq.wait(STEP).map_err(|e| e.to_string())?;
+            if wc.wr_id == 600 {
+                sent = true;
+                continue;
+            }
+            let slot = wc.wr_id as usize;
+            let msg = self.recv.read_at(slot * RAW_SLOT, wc.byte_len as usize);
+            let header = Header::decode(&msg, msg.len()).map_err(|e| e.to_string())?;
+            if header.kind == Kind::RegionGranted {
+                grant = Some((header.pos, header.total));
+            }
+        }
+        Ok(grant.expect("granted"))
+    }
+
     /// Waits for request `wr_id`'s completion, past the server's messages
     /// (received into the slots, not looked at).
     fn completion_of(&mut self, wr_id: u64) -> Result<(), String> {
@@ -515,4 +556,80 @@ async fn a_payload_buffers_window_ends_with_its_transfer_and_its_bytes() {
         );
         drop((raw, conn));
     }
+}
+
+/// On a protection domain shared by its connections, a connection's peer
+/// reaches the server's memory only through windows bound to that
+/// connection's queue pair: another client of the same server (its own
+/// connection, the same protection domain on the server's side) that
+/// uses the rkey of a rendezvous frame announced to the first, or of the
+/// region granted to it, is refused by the device (`REM_ACCESS_ERR`),
+/// while the first reads the frame and writes the region. (With a
+/// registration's rkey, as before the domain was shared, both would have
+/// gone through.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn another_connections_peer_cannot_use_its_windows() {
+    let env = TestEnv::from_env();
+    let cfg = RdmaTransport::default().rendezvous_threshold(Some(64 << 10));
+    let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
+    let addr: SocketAddr = target.parse().unwrap();
+    // The first client, and two others: one to read, one to write (a
+    // queue pair fails with its refused request).
+    let mut accepted = Vec::new();
+    let mut raw = Vec::new();
+    for _ in 0..3 {
+        let client = tokio::task::spawn_blocking(move || raw_reader(addr));
+        let conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+            .await
+            .expect("accepts in time")
+            .expect("accepts");
+        accepted.push(conn);
+        raw.push(client.await.unwrap().expect("the raw client connects"));
+    }
+    assert_eq!(
+        transport_rdma::verbs::protection_domains(),
+        1 + 3,
+        "the server's connections share one domain; each raw client has its own"
+    );
+    // Registered where it lies (in place), read through a window.
+    let body = Bytes::from((0..128 << 10).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let frame = OutFrame::new(1, OutBody::Message, Some(&body), false).unwrap();
+    accepted[0].sink.send(&frame).await.expect("announced");
+    let (mut first, mut reader, mut writer) = (raw.remove(0), raw.remove(0), raw.remove(0));
+    tokio::task::spawn_blocking(move || {
+        let (header, announced) = first.receive().expect("the announcement");
+        assert_eq!(header.kind, Kind::Announce);
+        let announcement =
+            Announcement::decode(&announced, announced.len()).expect("a well-formed announcement");
+        let [segment] = announcement.segments() else {
+            panic!("one segment: {announcement:?}")
+        };
+        let len = segment.len as usize;
+        let stolen = reader.read(segment.addr, segment.rkey, len);
+        let error = stolen.expect_err("another connection's peer read the frame");
+        eprintln!("the other peer's READ: {error}");
+        assert!(error.contains("remote access error"), "{error}");
+        let read = first
+            .read(segment.addr, segment.rkey, len)
+            .expect("its own peer reads it");
+        assert!(
+            read[..] == body[body.len() - len..],
+            "the frame's last bytes"
+        );
+
+        // The region, asked for by the first client.
+        let (region, rkey) = first.region().expect("a region granted");
+        let error = writer
+            .write(region, rkey, b"not yours")
+            .expect_err("another connection's peer wrote the region");
+        eprintln!("the other peer's WRITE: {error}");
+        assert!(error.contains("remote access error"), "{error}");
+        first
+            .write(region, rkey, b"granted")
+            .expect("its own peer writes its region");
+    })
+    .await
+    .unwrap();
+    drop((accepted, listener));
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::TestServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use transport_rdma::verbs::registered_bytes;
+use transport_rdma::verbs::{protection_domains, registered_bytes};
 use transport_rdma::{RdmaStream, RdmaTransport};
 
 /// Connections opened (each has both ends in this process: 2x the ends).
@@ -51,6 +51,13 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     // the guest), and a server end still being accepted has its set-up's
     // channel. (Before the watcher read them, each end had its own event
     // channel: 4 a connection.)
+    // Every end on the device shares one protection domain.
+    assert_eq!(
+        protection_domains(),
+        1,
+        "protection domains held by {CONNECTIONS} connections ({} ends) on one device",
+        2 * CONNECTIONS
+    );
     let fds = open_fds() - fds_before;
     let fds_budget = 2 * CONNECTIONS + 16;
     println!("{CONNECTIONS} connections: {fds} descriptors opened (budget {fds_budget})");
@@ -109,6 +116,13 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         "{} MiB still pinned 30 s after closing every connection",
         (pinned_bytes() - before) >> 20
     );
+    let deallocated =
+        support::eventually(Duration::from_secs(30), || protection_domains() == 0).await;
+    assert!(
+        deallocated,
+        "{} protection domains left 30 s after closing every connection",
+        protection_domains()
+    );
     // And the server still takes new ones.
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
     client
@@ -119,6 +133,72 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         .await
         .unwrap();
     server.stop().await;
+}
+
+/// Connections on a device share one protection domain, their peers
+/// reaching their memory through windows bound to each connection's queue
+/// pair (the region, rendezvous frames), or, when told not to share, hold
+/// one each; either way inline, region and rendezvous frames all arrive
+/// intact on every connection at once, and closing them deallocates every
+/// domain. (That another connection's peer cannot use a window is
+/// `bad_peer.rs`'s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn connections_share_one_protection_domain_per_device_unless_told_not_to() {
+    const OPEN: usize = 4;
+    let env = TestEnv::from_env();
+    for shared in [false, true] {
+        rpc_core::transport::register(Arc::new(
+            RdmaTransport::default()
+                .rendezvous_threshold(Some(64 << 10))
+                .shared_protection_domain(shared),
+        ));
+        let server = TestServer::start(&env.local_listen(), |b| b).await;
+        let mut channels = Vec::new();
+        for i in 0..OPEN {
+            channels.push(connect_retrying(&server.address, i).await.0);
+        }
+        let expected = if shared { 1 } else { 2 * OPEN };
+        assert_eq!(
+            protection_domains(),
+            expected,
+            "protection domains of {OPEN} connections (both ends here), shared: {shared}"
+        );
+        // Inline, through the region (8 KiB slots, rendezvous from 64 KiB),
+        // by rendezvous: on every connection at once.
+        let calls = channels.iter().enumerate().map(|(i, channel)| {
+            let client = Client::new(channel.clone());
+            async move {
+                for size in [100, 32 << 10, 1 << 20] {
+                    echo(&client, i, size).await;
+                }
+            }
+        });
+        let sent_before = transport_rdma::rendezvous_bytes_sent();
+        within(
+            Duration::from_secs(120),
+            "every connection's calls",
+            join_all(calls),
+        )
+        .await;
+        let sent = transport_rdma::rendezvous_bytes_sent();
+        let by_rendezvous = sent.0 + sent.1 - sent_before.0 - sent_before.1;
+        assert!(
+            by_rendezvous >= 2 * OPEN as u64 * (1 << 20),
+            "only {by_rendezvous} bytes went by rendezvous (shared: {shared})"
+        );
+        drop(channels);
+        server.stop().await;
+        let deallocated =
+            support::eventually(Duration::from_secs(30), || protection_domains() == 0).await;
+        assert!(
+            deallocated,
+            "{} protection domains left 30 s after closing every connection (shared: {shared}); {} bytes registered; {}",
+            protection_domains(),
+            registered_bytes(),
+            transport_rdma::debug_dump()
+        );
+    }
 }
 
 /// Memory is registered as a connection's frames need it: an end whose

@@ -410,7 +410,7 @@ impl FrameSource for RdmaSource {
             let state = &mut *st;
             let received = Received {
                 ring: &mem.ring,
-                region: state.region.as_ref(),
+                region: state.region.as_ref().map(|region| &region.mr),
             };
             let Some(delivered) = state.proto.poll_delivery(&received) else {
                 // Look in the CQ before waiting for the driver: a frame

@@ -155,7 +155,15 @@ impl PayloadPool {
         // SAFETY: the caller keeps the bytes (and so the buffer: it is
         // given back only when its last `Bytes` drops) unwritten while the
         // window lives; the region stays registered meanwhile.
-        unsafe { qp.post_bind(WorkKind::Bind.wr_id(0), window, &memory.0, range) }
+        unsafe {
+            qp.post_bind(
+                WorkKind::Bind.wr_id(0),
+                window,
+                &memory.0,
+                range,
+                Access::REMOTE_READ,
+            )
+        }
     }
 }
 

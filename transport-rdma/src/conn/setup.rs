@@ -93,16 +93,29 @@ struct Half {
 const INLINE_SEND_BYTES: u32 = 256;
 
 fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
-    let pd = ProtectionDomain::new(id)?;
+    let shared = if cfg.shared_protection_domain {
+        ProtectionDomain::shared(id)?
+    } else {
+        None
+    };
+    let pd = match shared {
+        Some(pd) => pd,
+        None => ProtectionDomain::new(id)?,
+    };
     let cc = CompletionChannel::new(id)?;
     // Unsignaled binds of memory windows precede the announcements of our
     // transfers, each at most `MAX_SEGMENTS`: only a side that sends by
     // rendezvous binds any.
-    let binds = if cfg.rendezvous_threshold.is_some() {
+    let transfer_binds = if cfg.rendezvous_threshold.is_some() {
         crate::RENDEZVOUS_MAX_OUTGOING * crate::proto::MAX_SEGMENTS as u32
     } else {
         0
     };
+    // On a shared domain the region the peer writes is reached through a
+    // window too, bound ahead of its grant (one region at a time; two for
+    // a grant that follows a release at once).
+    let region_binds = if pd.is_shared() { 2 } else { 0 };
+    let binds = transfer_binds + region_binds;
     let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS)
         + CTRL_SLOTS
         + crate::verbs::READ_DEPTH

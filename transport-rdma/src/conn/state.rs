@@ -21,8 +21,8 @@ use crate::proto::{
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CompletionBatch, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair,
-    RemoteRegion, SendBatch, WorkCompletion,
+    Access, CompletionBatch, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain,
+    QueuePair, RemoteRegion, SendBatch, WorkCompletion,
 };
 
 pub(super) struct Buffers {
@@ -111,13 +111,40 @@ impl Buffers {
         MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
     }
 
-    /// Registers a region for the peer (remotely writable).
-    fn register_region(&self) -> Result<MemoryRegion, crate::verbs::Error> {
-        MemoryRegion::new(
-            &self.pd,
-            self.region_len,
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        )
+    /// Registers a region for the peer of `qp` to write, and what the
+    /// peer writes it by. On a shared protection domain through a window
+    /// bound to `qp` (posted ahead of the grant that names it), else
+    /// through the registration itself.
+    fn register_region(&self, qp: &mut QueuePair) -> Result<PeerRegion, crate::verbs::Error> {
+        if !self.pd.is_shared() {
+            let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+            let mr = MemoryRegion::new(&self.pd, self.region_len, access)?;
+            let remote = mr.remote();
+            return Ok(PeerRegion {
+                _window: None,
+                mr,
+                remote,
+            });
+        }
+        let mr = MemoryRegion::writable_through_windows(&self.pd, self.region_len)?;
+        let window = MemoryWindow::new(&self.pd)?;
+        // SAFETY: the region is only read by raw copies (never sliced: it
+        // is made writable through windows), and stays registered while
+        // the window, dropped first (`PeerRegion`), is bound to it.
+        let remote = unsafe {
+            qp.post_bind(
+                WorkKind::Bind.wr_id(0),
+                &window,
+                &mr,
+                0..self.region_len,
+                Access::REMOTE_WRITE,
+            )?
+        };
+        Ok(PeerRegion {
+            _window: Some(window),
+            mr,
+            remote,
+        })
     }
 
     /// The memory of send slot `slot` (the protocol's numbering: data
@@ -205,8 +232,8 @@ pub(super) struct State {
     /// Only read, by raw copies under the connection's mutex, of chunks
     /// the peer's protocol has finished writing (a peer that writes anyway
     /// changes only the bytes we copy, never memory a Rust reference
-    /// covers). Declared after `qp`: freed after the QP is destroyed.
-    pub(super) region: Option<MemoryRegion>,
+    /// covers). Dropped before the QP (`Drop for State`).
+    pub(super) region: Option<PeerRegion>,
     /// Staging was used since the last [`release_idle_regions`].
     ///
     /// [`release_idle_regions`]: Self::release_idle_regions
@@ -571,6 +598,30 @@ impl Drop for Locked<'_> {
     }
 }
 
+/// Memory only the peer accesses (our transfers' segments, the region:
+/// no request of ours names it) goes before the queue pair: their memory
+/// windows must be deallocated first, as a window bound to a queue pair
+/// holds it (Soft-RoCE's `ibv_destroy_qp` waited 50 s for the window, and
+/// warned). Dropping them ends the peer's access, which a destroyed queue
+/// pair could not have used anyway.
+impl Drop for State {
+    fn drop(&mut self) {
+        self.out_transfers.clear();
+        self.region = None;
+    }
+}
+
+/// The region the peer writes, and the window it writes it through on a
+/// shared protection domain.
+pub(super) struct PeerRegion {
+    /// Dropped first: deallocating it ends the peer's access (and a region
+    /// with a window bound to it cannot be deregistered).
+    _window: Option<MemoryWindow>,
+    pub(super) mr: MemoryRegion,
+    /// What the peer writes it by.
+    remote: RemoteRegion,
+}
+
 /// Where received bytes lie: the ring, and the region if registered.
 pub(super) struct Received<'a> {
     pub(super) ring: &'a SlotMemory,
@@ -831,9 +882,9 @@ impl State {
                 // Registering pins the region's pages: a millisecond or so
                 // for the default 1 MiB, once per connection, under the
                 // lock (the peer's frames wait for it anyway).
-                match mem.register_region() {
+                match mem.register_region(&mut self.qp) {
                     Ok(region) => {
-                        let remote = region.remote();
+                        let remote = region.remote;
                         self.region = Some(region);
                         self.proto.region_registered(remote.addr, remote.rkey);
                     }

@@ -9,6 +9,7 @@
 //! Other frames (a byte stream's, or one whose pieces would not fit an
 //! announcement) are encoded into one registration.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes};
@@ -16,7 +17,8 @@ use rpc_core::frame::{Gather, OutFrame, GATHER_THRESHOLD};
 
 use super::payloads::PayloadPool;
 use crate::proto::{
-    announce_body_len, Announcement, FrameBytes, Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS,
+    announce_body_len, Announcement, FrameBytes, Segment, WorkKind, ANNOUNCE_PREFIX_LEN,
+    MAX_SEGMENTS,
 };
 use crate::verbs::{
     self, Access, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair, RegisteredBytes,
@@ -73,6 +75,17 @@ fn window_or_log(pd: &ProtectionDomain) -> Option<MemoryWindow> {
         .ok()
 }
 
+/// How memory registered for a transfer on `pd` is made readable: on a
+/// shared protection domain only through windows (bound to the
+/// connection's queue pair), else by the registration itself.
+fn read_access(pd: &ProtectionDomain) -> Access {
+    if pd.is_shared() {
+        Access::LOCAL_WRITE | Access::MW_BIND
+    } else {
+        Access::LOCAL_WRITE | Access::REMOTE_READ
+    }
+}
+
 /// `frame`'s bytes as [`Gather`] keeps them: each large `Bytes` by
 /// reference, the small bytes between them copied.
 pub(crate) fn pieces(frame: &OutFrame<'_>) -> FrameBytes {
@@ -86,28 +99,39 @@ pub(crate) fn pieces(frame: &OutFrame<'_>) -> FrameBytes {
 /// One of our transfers: its announcement, the head it carries, and the
 /// registrations the peer reads the rest from.
 pub(crate) struct OutgoingTransfer {
+    /// The windows the peer reads through, bound once the frame is queued
+    /// ([`bind_windows`](Self::bind_windows)): over the pieces in payload
+    /// buffers, and on a shared protection domain over everything
+    /// announced. Dropped first: deallocating them ends the peer's access,
+    /// and a registration with a window bound to it cannot be deregistered.
+    windows: Vec<WindowedPiece>,
     announcement: Announcement,
     /// The frame's first bytes, sent in the announcement.
     head: Vec<u8>,
     /// The bytes copied: the whole frame, or small fields after a large one.
-    _copied: Option<MemoryRegion>,
+    copied: Option<MemoryRegion>,
     /// Its large `Bytes`, registered where they lie.
-    _in_place: Vec<RegisteredBytes>,
-    /// Its large `Bytes` that lie in payload buffers: read through windows
-    /// bound once the frame is queued ([`bind_windows`](Self::bind_windows)).
-    windows: Vec<WindowedPiece>,
+    in_place: Vec<RegisteredBytes>,
 }
 
-/// A piece of a frame in a payload buffer, and the window the peer reads
-/// it through.
+/// An announced segment of a frame, and the window the peer reads it
+/// through.
 struct WindowedPiece {
-    /// Dropped first: deallocating it ends the peer's access.
     window: MemoryWindow,
-    /// The bytes announced (the piece less what went in the head); they
-    /// keep the buffer out of the pool until the window is gone.
-    bytes: Bytes,
-    /// The announcement's segment for them.
+    over: WindowOver,
+    /// The announcement's segment for it.
     segment: usize,
+}
+
+/// What a window is bound over.
+enum WindowOver {
+    /// Bytes in a payload buffer (the piece less what went in the head);
+    /// they keep the buffer out of the pool until the window is gone.
+    Pool(Bytes),
+    /// A range of the transfer's copied bytes.
+    Copied(Range<usize>),
+    /// A range of one of its in-place registrations.
+    InPlace(usize, Range<usize>),
 }
 
 impl OutgoingTransfer {
@@ -118,7 +142,7 @@ impl OutgoingTransfer {
         len: usize,
         encode: impl FnOnce(&mut dyn BufMut),
     ) -> Result<OutgoingTransfer, verbs::Error> {
-        let mr = MemoryRegion::new(pd, len, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+        let mr = MemoryRegion::new(pd, len, read_access(pd))?;
         {
             // SAFETY: just registered and not announced: no request uses
             // it and no other slice covers it.
@@ -134,13 +158,22 @@ impl OutgoingTransfer {
             len: u32::try_from(len - ANNOUNCE_PREFIX_LEN)
                 .expect("a rendezvous frame's length fits its header"),
         };
+        let windows = if pd.is_shared() {
+            vec![WindowedPiece {
+                window: MemoryWindow::new(pd)?,
+                over: WindowOver::Copied(ANNOUNCE_PREFIX_LEN..len),
+                segment: 0,
+            }]
+        } else {
+            Vec::new()
+        };
         SENT_COPIED.fetch_add(len as u64, Ordering::Relaxed);
         Ok(OutgoingTransfer {
+            windows,
             announcement: Announcement::new(ANNOUNCE_PREFIX_LEN, prefix, &[segment]),
             head: prefix.to_vec(),
-            _copied: Some(mr),
-            _in_place: Vec::new(),
-            windows: Vec::new(),
+            copied: Some(mr),
+            in_place: Vec::new(),
         })
     }
 
@@ -187,11 +220,7 @@ impl OutgoingTransfer {
         }
         let copied_len: usize = rest.iter().filter(|p| !in_place(p)).map(Bytes::len).sum();
         let copied = if copied_len > 0 {
-            Some(MemoryRegion::new(
-                pd,
-                copied_len,
-                Access::LOCAL_WRITE | Access::REMOTE_READ,
-            )?)
+            Some(MemoryRegion::new(pd, copied_len, read_access(pd))?)
         } else {
             None
         };
@@ -203,6 +232,8 @@ impl OutgoingTransfer {
         let mut windows = Vec::new();
         let mut listed: Vec<Segment> = Vec::with_capacity(segments);
         let (mut at, mut after_copied) = (0, false);
+        // The copied runs' segments, and where each starts in `copied`.
+        let mut copied_segments = Vec::new();
         for piece in rest {
             if in_place(piece) {
                 // A head shorter than the prefix takes the first bytes of
@@ -218,7 +249,7 @@ impl OutgoingTransfer {
                 if let Some(window) = window {
                     windows.push(WindowedPiece {
                         window,
-                        bytes: piece.slice(skip..),
+                        over: WindowOver::Pool(piece.slice(skip..)),
                         segment: listed.len(),
                     });
                     // Where and under which key: once bound.
@@ -227,6 +258,19 @@ impl OutgoingTransfer {
                         rkey: 0,
                         len,
                     });
+                } else if pd.is_shared() {
+                    let bytes = RegisteredBytes::readable_through_windows(pd, piece.clone())?;
+                    windows.push(WindowedPiece {
+                        window: MemoryWindow::new(pd)?,
+                        over: WindowOver::InPlace(registered.len(), skip..piece.len()),
+                        segment: listed.len(),
+                    });
+                    listed.push(Segment {
+                        addr: 0,
+                        rkey: 0,
+                        len,
+                    });
+                    registered.push(bytes);
                 } else {
                     let bytes = RegisteredBytes::new(pd, piece.clone())?;
                     let remote = bytes.remote();
@@ -246,6 +290,7 @@ impl OutgoingTransfer {
                 match listed.last_mut() {
                     Some(last) if after_copied => last.len += len,
                     _ => {
+                        copied_segments.push((listed.len(), at));
                         let remote = mr.remote();
                         listed.push(Segment {
                             addr: remote.addr + at as u64,
@@ -258,6 +303,15 @@ impl OutgoingTransfer {
                 after_copied = true;
             }
         }
+        if pd.is_shared() {
+            for (segment, start) in copied_segments {
+                windows.push(WindowedPiece {
+                    window: MemoryWindow::new(pd)?,
+                    over: WindowOver::Copied(start..start + listed[segment].len as usize),
+                    segment,
+                });
+            }
+        }
         let prefix = head[..ANNOUNCE_PREFIX_LEN].try_into().expect("the prefix");
         let announcement = Announcement::new(head_len, prefix, &listed);
         assert_eq!(
@@ -267,36 +321,63 @@ impl OutgoingTransfer {
         );
         let copied_bytes = (head_len + copied_len) as u64;
         SENT_COPIED.fetch_add(copied_bytes, Ordering::Relaxed);
-        let from_pool = windows.iter().map(|w| w.bytes.len() as u64).sum::<u64>();
+        let from_pool = windows
+            .iter()
+            .map(|w| match &w.over {
+                WindowOver::Pool(bytes) => bytes.len() as u64,
+                _ => 0,
+            })
+            .sum::<u64>();
         SENT_IN_PLACE.fetch_add(
             frame.len() as u64 - copied_bytes - from_pool,
             Ordering::Relaxed,
         );
         SENT_FROM_POOL.fetch_add(from_pool, Ordering::Relaxed);
         Ok(OutgoingTransfer {
+            windows,
             announcement,
             head,
-            _copied: copied,
-            _in_place: registered,
-            windows,
+            copied,
+            in_place: registered,
         })
     }
 
-    /// Binds the window over each piece in a payload buffer on `qp`, and
-    /// puts where the peer reads it in the announcement. Call once the
-    /// frame is queued, before its announcement is encoded and posted: the
-    /// binds go first on the send queue.
+    /// Binds each window on `qp`, and puts where the peer reads its bytes
+    /// in the announcement. Call once the frame is queued, before its
+    /// announcement is encoded and posted: the binds go first on the send
+    /// queue.
     pub(crate) fn bind_windows(
         &mut self,
         pool: Option<&PayloadPool>,
         qp: &mut QueuePair,
     ) -> Result<(), verbs::Error> {
+        let wr_id = WorkKind::Bind.wr_id(0);
         for piece in &self.windows {
-            let pool = pool.expect("pieces in payload buffers come with their pool");
-            // SAFETY: the piece is of a frozen buffer (`Bytes`, immutable),
-            // and this transfer holds it and the window, dropping the
-            // window first.
-            let remote = unsafe { pool.bind(qp, &piece.window, &piece.bytes)? };
+            // SAFETY: each window is over bytes never written again: a
+            // frozen payload buffer (`Bytes`, immutable), the copy made for
+            // this transfer (written before it is announced), or `Bytes`
+            // registered where they lie; this transfer holds them and the
+            // windows, dropping the windows first.
+            let remote = unsafe {
+                match &piece.over {
+                    WindowOver::Pool(bytes) => pool
+                        .expect("pieces in payload buffers come with their pool")
+                        .bind(qp, &piece.window, bytes)?,
+                    WindowOver::Copied(range) => qp.post_bind(
+                        wr_id,
+                        &piece.window,
+                        self.copied.as_ref().expect("a copy to bind over"),
+                        range.clone(),
+                        Access::REMOTE_READ,
+                    )?,
+                    WindowOver::InPlace(registered, range) => qp.bind(
+                        wr_id,
+                        &piece.window,
+                        self.in_place[*registered].bind_target(range.clone())?,
+                        Access::REMOTE_READ,
+                    )?,
+                }
+            };
             self.announcement
                 .bind_segment(piece.segment, remote.addr, remote.rkey);
         }

@@ -62,7 +62,7 @@ pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
 pub use mw::MemoryWindow;
-pub use pd::ProtectionDomain;
+pub use pd::{protection_domains, ProtectionDomain};
 pub use qp::{QpCapabilities, QueuePair, SendBatch, SendPoster};
 
 use std::io;

@@ -14,7 +14,7 @@ use super::{last_os_error, Error, ProtectionDomain, Result};
 
 /// Access rights of a [`MemoryRegion`] (`ibv_access_flags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Access(u32);
+pub struct Access(pub(crate) u32);
 
 impl Access {
     /// The local device may write (needed to receive into it).
@@ -148,6 +148,20 @@ impl MemoryRegion {
     /// buffer shares none with other data and pins nothing beyond itself.
     pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Result<Self> {
         let region = Self::unregistered(pd, len, access);
+        region.register()?;
+        Ok(region)
+    }
+
+    /// Allocates `len` zeroed bytes and registers them on `pd` for the
+    /// peer to write through a memory window bound over them
+    /// ([`QueuePair::post_bind`](super::QueuePair::post_bind) with
+    /// [`Access::REMOTE_WRITE`]): the registration itself grants no remote
+    /// access ([`Access::LOCAL_WRITE`] and [`Access::MW_BIND`]), and, as
+    /// for a region registered [`Access::REMOTE_WRITE`], no slice is ever
+    /// formed over its bytes.
+    pub fn writable_through_windows(pd: &ProtectionDomain, len: usize) -> Result<Self> {
+        let mut region = Self::unregistered(pd, len, Access::LOCAL_WRITE | Access::MW_BIND);
+        region.remote_write = true;
         region.register()?;
         Ok(region)
     }
@@ -298,16 +312,20 @@ impl MemoryRegion {
         })
     }
 
-    /// The MR, its address as remote requests name its start, and the
-    /// buffer's own address: what a memory window is bound with. `None`
-    /// if not registered.
-    pub(crate) fn bind_target(&self) -> Option<(NonNull<ffi::ibv_mr>, u64, usize)> {
-        let registration = self.registration()?;
-        Some((
-            registration.raw,
-            registration.iova,
-            self.buf.as_ptr() as usize,
-        ))
+    /// What a memory window over `range` of it is bound with. Fails if
+    /// the range is outside it or it is not registered.
+    pub(crate) fn bind_target(&self, range: Range<usize>) -> Result<BindTarget> {
+        self.check(&range)?;
+        let registration = self.registration().ok_or(Error::NotRegistered {
+            len: u32::try_from(range.len()).unwrap_or(u32::MAX),
+        })?;
+        Ok(BindTarget {
+            raw: registration.raw,
+            addr: registration.iova + range.start as u64,
+            len: range.len() as u64,
+            pd: Arc::clone(&self.pd),
+            peer_writes: self.remote_write,
+        })
     }
 
     fn check(&self, range: &Range<usize>) -> Result<()> {
@@ -452,7 +470,8 @@ impl Drop for MemoryRegion {
 /// Registers `len` bytes at `buf` on `pd` (`ibv_reg_mr`); returns the MR
 /// and the address remote requests name `buf` by.
 ///
-/// Memory the peer writes or reads is registered zero-based (its remote
+/// Memory the peer writes or reads, directly or through a memory window,
+/// is registered zero-based (its remote
 /// addresses are offsets, so the hello or an announcement tells the peer
 /// nothing of this process's address space), where the device allows it.
 /// Either way the device allows remote access only inside
@@ -467,7 +486,8 @@ unsafe fn register(
     len: usize,
     access: Access,
 ) -> Result<(NonNull<ffi::ibv_mr>, u64)> {
-    let remote = access.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0) != 0;
+    let remote =
+        access.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::MW_BIND.0) != 0;
     let mut iova = buf as u64;
     let mut raw = ptr::null_mut();
     if remote {
@@ -496,8 +516,20 @@ unsafe fn register(
     }
 }
 
+/// What a memory window is bound over: registered memory, and the range
+/// of it as remote requests name it.
+pub(crate) struct BindTarget {
+    pub(crate) raw: NonNull<ffi::ibv_mr>,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) pd: Arc<PdInner>,
+    /// The memory is never sliced (a window may let the peer write it).
+    pub(crate) peer_writes: bool,
+}
+
 /// Bytes the program already holds, registered where they lie for the peer
-/// to RDMA READ ([`Access::REMOTE_READ`] only): a payload sent with no copy.
+/// to RDMA READ ([`Access::REMOTE_READ`] only, or through memory windows
+/// only): a payload sent with no copy.
 ///
 /// Holds its [`Bytes`] while registered, so the memory stays allocated and
 /// unchanged (`Bytes` are immutable); dropping deregisters, then lets the
@@ -519,18 +551,23 @@ unsafe impl Send for RegisteredBytes {}
 impl RegisteredBytes {
     /// Registers `bytes` on `pd` for remote reads (panics if empty).
     pub fn new(pd: &ProtectionDomain, bytes: Bytes) -> Result<Self> {
+        Self::register_with(pd, bytes, Access::REMOTE_READ)
+    }
+
+    /// Registers `bytes` on `pd` for remote reads through memory windows
+    /// only ([`Access::MW_BIND`]; [`bind_target`](Self::bind_target)): the
+    /// registration's own rkey grants nothing, so another queue pair on a
+    /// shared protection domain cannot use it (panics if empty).
+    pub fn readable_through_windows(pd: &ProtectionDomain, bytes: Bytes) -> Result<Self> {
+        Self::register_with(pd, bytes, Access::MW_BIND)
+    }
+
+    fn register_with(pd: &ProtectionDomain, bytes: Bytes, access: Access) -> Result<Self> {
         assert!(!bytes.is_empty(), "registering no bytes");
         // SAFETY: the memory is the `Bytes`' own: it stays allocated and
         // unchanged while the value holds it, which it does until after
         // deregistering (Drop). The device only reads it (no LOCAL_WRITE).
-        let (raw, iova) = unsafe {
-            register(
-                pd,
-                bytes.as_ptr().cast_mut(),
-                bytes.len(),
-                Access::REMOTE_READ,
-            )?
-        };
+        let (raw, iova) = unsafe { register(pd, bytes.as_ptr().cast_mut(), bytes.len(), access)? };
         REGISTERED.fetch_add(pages_spanned(&bytes), Ordering::Relaxed);
         Ok(RegisteredBytes {
             raw,
@@ -543,6 +580,26 @@ impl RegisteredBytes {
     /// The bytes registered.
     pub fn bytes(&self) -> &Bytes {
         &self.bytes
+    }
+
+    /// What a memory window over `range` of them is bound with (for
+    /// reads: the device never writes them). Fails if the range is
+    /// outside them.
+    pub(crate) fn bind_target(&self, range: Range<usize>) -> Result<BindTarget> {
+        if range.start > range.end || range.end > self.bytes.len() {
+            return Err(Error::OutOfBounds {
+                start: range.start as u64,
+                end: range.end as u64,
+                len: self.bytes.len() as u64,
+            });
+        }
+        Ok(BindTarget {
+            raw: self.raw,
+            addr: self.iova + range.start as u64,
+            len: range.len() as u64,
+            pd: Arc::clone(&self._pd),
+            peer_writes: false,
+        })
     }
 
     /// What the peer needs to read them.

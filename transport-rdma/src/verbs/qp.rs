@@ -8,10 +8,11 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::cq::CqInner;
+use super::mr::BindTarget;
 use super::pd::PdInner;
 use super::Result;
 use super::{
-    errno_error, last_os_error, CmId, CompletionQueue, Error, MemoryRegion, MemoryWindow,
+    errno_error, last_os_error, Access, CmId, CompletionQueue, Error, MemoryRegion, MemoryWindow,
     ProtectionDomain, RemoteRegion, SharedCmId,
 };
 
@@ -351,42 +352,61 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Binds `window` to `mr[range]` for remote reads through the window's
-    /// [`bound_rkey`](MemoryWindow::bound_rkey) (`IBV_WR_BIND_MW`,
+    /// Binds `window` to `mr[range]` for remote reads or writes (`access`:
+    /// [`Access::REMOTE_READ`] or [`Access::REMOTE_WRITE`]) through the
+    /// window's [`bound_rkey`](MemoryWindow::bound_rkey) (`IBV_WR_BIND_MW`,
     /// unsignaled: it completes only if it fails), posted at once, not
     /// queued: a SEND posted after it reaches the peer after the bind took
     /// effect (an RC send queue executes in order), so a peer told the rkey
-    /// in that SEND can read. The window is bound to this queue pair: only
-    /// its peer can use the rkey. Returns what the peer reads `mr[range]`
-    /// by (the address and the window's rkey). A signaled request must follow, or the bind's
-    /// send-queue entry is never reclaimed.
+    /// in that SEND can use it. The window is bound to this queue pair:
+    /// only its peer can use the rkey. Returns what the peer names
+    /// `mr[range]` by (the address and the window's rkey). A signaled
+    /// request must follow, or the bind's send-queue entry is never
+    /// reclaimed. Writes need memory made
+    /// [`writable_through_windows`](MemoryRegion::writable_through_windows).
     ///
     /// # Safety
-    /// `mr[range]` must not be written until `window` is dropped (the peer
-    /// may read it until then); `mr` must stay registered (it does: its
-    /// deregistration fails while a window is bound to it).
+    /// For reads, `mr[range]` must not be written until `window` is
+    /// dropped (the peer may read it until then); `mr` must stay
+    /// registered (it does: its deregistration fails while a window is
+    /// bound to it).
     pub unsafe fn post_bind(
         &mut self,
         wr_id: u64,
         window: &MemoryWindow,
         mr: &MemoryRegion,
         range: Range<usize>,
+        access: Access,
     ) -> Result<RemoteRegion> {
-        self.check_pd(mr)?;
-        if !Arc::ptr_eq(&self.pd, &window.pd) {
+        let target = mr.bind_target(range)?;
+        // SAFETY: as the caller guarantees.
+        unsafe { self.bind(wr_id, window, target, access) }
+    }
+
+    /// [`post_bind`](Self::post_bind) over `target`.
+    ///
+    /// # Safety
+    /// As [`post_bind`](Self::post_bind), for the memory `target` names.
+    pub(crate) unsafe fn bind(
+        &mut self,
+        wr_id: u64,
+        window: &MemoryWindow,
+        target: BindTarget,
+        access: Access,
+    ) -> Result<RemoteRegion> {
+        if !Arc::ptr_eq(&self.pd, &target.pd) || !Arc::ptr_eq(&self.pd, &window.pd) {
             return Err(Error::ForeignMemoryRegion);
         }
-        // Checks the range; the SGE's address is the buffer's own.
-        let sge = mr.sge(range.clone(), 0)?;
-        let (raw_mr, iova, buf) = mr
-            .bind_target()
-            .ok_or(Error::NotRegistered { len: sge.length })?;
+        assert!(
+            access == Access::REMOTE_READ || (access == Access::REMOTE_WRITE && target.peer_writes),
+            "a window grants remote reads, or writes of memory made writable through windows"
+        );
         let remote = RemoteRegion {
-            addr: iova + range.start as u64,
+            addr: target.addr,
             rkey: window.bound_rkey(),
-            len: range.len() as u64,
+            len: target.len,
         };
-        debug_assert_eq!(sge.addr, buf as u64 + range.start as u64);
+        let raw_mr = target.raw;
         let mut wr = ffi::ibv_send_wr {
             wr_id,
             next: ptr::null_mut(),
@@ -412,7 +432,7 @@ impl QueuePair {
                         mr: raw_mr.as_ptr(),
                         addr: remote.addr,
                         length: remote.len,
-                        mw_access_flags: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                        mw_access_flags: access.0,
                     },
                 },
             },
