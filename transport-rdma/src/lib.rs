@@ -49,6 +49,16 @@
 //!   established, a connection's id moves to the event channel its
 //!   device's watcher reads, so an open connection holds one descriptor
 //!   (its completion channel).
+//! - **One protection domain per device**, shared by its connections
+//!   ([`RdmaTransport::shared_protection_domain`]). Memory the peer
+//!   accesses is registered for local access and memory-window binding
+//!   only, and reached through a type 2 memory window bound to the
+//!   connection's own queue pair (the region for writes, rendezvous
+//!   frames for reads), so a key one peer was told is worthless on every
+//!   other connection of the domain; the window is deallocated when the
+//!   access ends. A device that allocates no memory windows gets a domain
+//!   per connection, whose registrations grant the peer's access
+//!   themselves.
 //! - **Small frames** (up to [`RdmaTransport::inline_threshold`], at most a
 //!   slot minus the 32-byte header) travel by SEND into a ring of receive
 //!   slots the peer keeps posted. A sender needs a credit per message;

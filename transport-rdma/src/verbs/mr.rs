@@ -555,7 +555,7 @@ impl RegisteredBytes {
     }
 
     /// Registers `bytes` on `pd` for remote reads through memory windows
-    /// only ([`Access::MW_BIND`]; [`bind_target`](Self::bind_target)): the
+    /// only ([`Access::MW_BIND`]; the transport binds them over it): the
     /// registration's own rkey grants nothing, so another queue pair on a
     /// shared protection domain cannot use it (panics if empty).
     pub fn readable_through_windows(pd: &ProtectionDomain, bytes: Bytes) -> Result<Self> {
