@@ -385,6 +385,22 @@ fn raw_reader(server: SocketAddr) -> Result<RawReader, String> {
     })
 }
 
+/// Connects a [`raw_reader`] to `listener` (at `addr`) and accepts it.
+async fn accept_raw_reader(
+    listener: &mut dyn Listener,
+    addr: SocketAddr,
+) -> (Connection, RawReader) {
+    let client = tokio::task::spawn_blocking(move || raw_reader(addr));
+    let conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
+        .await
+        .expect("accepts in time")
+        .expect("accepts");
+    (
+        conn,
+        client.await.unwrap().expect("the raw client connects"),
+    )
+}
+
 impl RawReader {
     /// Waits for the next message; returns its header and body.
     fn receive(&mut self) -> Result<(Header, Vec<u8>), String> {
@@ -486,12 +502,7 @@ async fn a_payload_buffers_window_ends_with_its_transfer_and_its_bytes() {
     let (mut listener, target) = env.listen_here(&cfg, LIMITS).await;
     let addr: SocketAddr = target.parse().unwrap();
     for read_past_the_end in [false, true] {
-        let client = tokio::task::spawn_blocking(move || raw_reader(addr));
-        let conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
-            .await
-            .expect("accepts in time")
-            .expect("accepts");
-        let mut raw = client.await.unwrap().expect("the raw client connects");
+        let (conn, mut raw) = accept_raw_reader(&mut *listener, addr).await;
         let mut buffer = conn
             .sink
             .payload_buffer(256 << 10)
@@ -579,13 +590,9 @@ async fn another_connections_peer_cannot_use_its_windows() {
     let mut accepted = Vec::new();
     let mut raw = Vec::new();
     for _ in 0..3 {
-        let client = tokio::task::spawn_blocking(move || raw_reader(addr));
-        let conn = tokio::time::timeout(STEP, poll_fn(|cx| listener.poll_accept(cx)))
-            .await
-            .expect("accepts in time")
-            .expect("accepts");
+        let (conn, client) = accept_raw_reader(&mut *listener, addr).await;
         accepted.push(conn);
-        raw.push(client.await.unwrap().expect("the raw client connects"));
+        raw.push(client);
     }
     assert_eq!(
         transport_rdma::verbs::protection_domains(),

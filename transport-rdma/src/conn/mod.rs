@@ -14,15 +14,17 @@
 //! memory, posts the work requests the protocol allows, and turns
 //! completions and connection-manager events into protocol inputs.
 //!
-//! Memory of one connection (all registered with its own protection domain):
+//! Memory of one connection (all registered with the protection domain its
+//! device's connections share, or its own: [`crate::verbs::ProtectionDomain::shared`]):
 //! - `ring`: the receive ring, `ring_slots × slot_size`, local write only,
 //!   every slot in use posted unless its message is being handled or
 //!   held; its first slots registered at set-up, then doubled each time
 //!   the peer keeps half of those consumed ([`slots`]);
-//! - `region`: the large-payload region the peer RDMA-writes into
-//!   (local + remote write: the only remotely writable memory), registered
-//!   when the peer asks for it and deregistered when the peer gives it
-//!   back (idle);
+//! - `region`: the large-payload region the peer RDMA-writes into (the
+//!   only remotely writable memory: through a memory window bound to the
+//!   connection's queue pair on a shared domain, else by the registration
+//!   itself), registered when the peer asks for it and deregistered when
+//!   the peer gives it back (idle);
 //! - `send`: send slots (the peer's slot size, one per peer ring slot plus
 //!   `CTRL_SLOTS` for control messages and `HEAP_SLOTS` for the chunks
 //!   of heap-encoded frames); small frames are encoded into them. In

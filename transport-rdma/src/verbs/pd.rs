@@ -44,6 +44,8 @@ impl ProtectionDomain {
     /// a shared domain's queue pairs reach its memory (a window is bound to
     /// one queue pair; a registration's rkey would be good on all of them):
     /// `None` on a device without (checked once per device and process).
+    /// The domain keeps the id it was allocated from (and so its device's
+    /// context) until the last connection on the device lets it go.
     pub fn shared(id: &CmId) -> Result<Option<Self>> {
         /// Per device context: its shared domain, while one lives, and
         /// whether the device has windows.
