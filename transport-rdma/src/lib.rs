@@ -249,6 +249,7 @@
 //! `cargo xtask rxe -- <test binary> --ignored --test-threads=1`).
 
 mod admission;
+mod completion_events;
 mod conn;
 mod device_events;
 pub mod proto;

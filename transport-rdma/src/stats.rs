@@ -1,6 +1,7 @@
 //! What the RDMA transport reports for metrics
 //! ([`Transport::stats`](rpc_core::transport::Transport::stats)): memory
-//! pinned now, device async events seen, connect requests refused, and
+//! pinned now, the verbs objects held (queue pairs, completion queues and
+//! the shared ones), device async events seen, connect requests refused, and
 //! how rendezvous frames left (read in place, or copied first). rpc-core counts what every
 //! transport has (connections, reconnects, sends that waited for credits).
 //!
@@ -75,10 +76,33 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
             .with_label("reason", reason.to_string()),
         );
     }
+    stats.extend(object_stats([
+        ("queue_pair", verbs::queue_pairs()),
+        ("completion_queue", verbs::completion_queues()),
+        ("completion_channel", verbs::completion_channels()),
+        ("protection_domain", verbs::protection_domains()),
+    ]));
     let (in_place, copied) = crate::rendezvous_bytes_sent();
     let from_pool = crate::rendezvous_bytes_sent_from_pool();
     stats.extend(rendezvous_stats(in_place, copied, from_pool));
     stats
+}
+
+/// The verbs objects this process holds now, by kind: each connection end
+/// holds a queue pair and a completion queue, and shares the completion
+/// channel of its device and runtime and the protection domain of its
+/// device.
+fn object_stats<const N: usize>(held: [(&str, usize); N]) -> [TransportStat; N] {
+    held.map(|(kind, count)| {
+        TransportStat::gauge(
+            "rdma_verbs_objects",
+            "Verbs objects held now, by kind (queue pairs and completion queues: one per \
+             connection end; completion channels: one per device and runtime; protection \
+             domains: one per device unless connections were told not to share)",
+            count as u64,
+        )
+        .with_label("kind", kind.to_string())
+    })
 }
 
 /// How this process's rendezvous frames left: `in_place` bytes read by
@@ -166,6 +190,36 @@ mod tests {
         assert!(transport_stats()
             .iter()
             .any(|s| s.name == "rdma_rendezvous_sent_bytes"));
+    }
+
+    #[test]
+    fn verbs_objects_are_gauges_by_kind() {
+        let stats = object_stats([("queue_pair", 4), ("protection_domain", 1)]);
+        let by_kind: Vec<_> = stats
+            .iter()
+            .map(|s| {
+                assert_eq!((s.name, s.kind), ("rdma_verbs_objects", StatKind::Gauge));
+                (s.labels[0].0, s.labels[0].1.as_str(), s.value)
+            })
+            .collect();
+        assert_eq!(
+            by_kind,
+            [("kind", "queue_pair", 4), ("kind", "protection_domain", 1)]
+        );
+        let kinds: Vec<_> = transport_stats()
+            .into_iter()
+            .filter(|s| s.name == "rdma_verbs_objects")
+            .map(|s| s.labels[0].1.clone())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "queue_pair",
+                "completion_queue",
+                "completion_channel",
+                "protection_domain"
+            ]
+        );
     }
 
     #[test]

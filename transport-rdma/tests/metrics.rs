@@ -32,6 +32,25 @@ fn pinned() -> u64 {
         .value
 }
 
+/// `rdma_verbs_objects` by kind: queue pairs, completion queues,
+/// completion channels, protection domains.
+fn verbs_objects() -> [u64; 4] {
+    let stats = rdma_stats();
+    [
+        "queue_pair",
+        "completion_queue",
+        "completion_channel",
+        "protection_domain",
+    ]
+    .map(|kind| {
+        stats
+            .iter()
+            .find(|s| s.name == "rdma_verbs_objects" && s.labels == [("kind", kind.to_string())])
+            .unwrap_or_else(|| panic!("RdmaTransport reports rdma_verbs_objects of kind {kind}"))
+            .value
+    })
+}
+
 fn connections(side: Side) -> ConnectionStats {
     connection_stats()
         .into_iter()
@@ -63,6 +82,9 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
         2 * IDLE_PER_END
     );
     assert_eq!(connections(Side::Client).open(), 1);
+    // A queue pair and a completion queue per end; the completion channel
+    // of the device and runtime and the device's protection domain shared.
+    assert_eq!(verbs_objects(), [2, 2, 1, 1]);
     let server_side = support::eventually(Duration::from_secs(10), || {
         connections(Side::Server).open() == 1
     })
@@ -87,6 +109,12 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
         pinned() - before
     );
     assert_eq!(pinned(), before);
+    let let_go = support::eventually(Duration::from_secs(30), || verbs_objects() == [0; 4]).await;
+    assert!(
+        let_go,
+        "verbs objects held 30 s after closing: {:?}",
+        verbs_objects()
+    );
     let closed = support::eventually(Duration::from_secs(10), || {
         connections(Side::Client).open() == 0 && connections(Side::Server).open() == 0
     })

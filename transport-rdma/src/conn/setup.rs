@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
@@ -31,13 +32,14 @@ use super::payloads::PayloadPool;
 use super::slots::SlotMemory;
 use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
+use crate::completion_events::{self, ChannelLease};
 use crate::proto::auth::{self, Challenge, Proven};
 use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
 use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CmId, CompletionBatch, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion,
-    ProtectionDomain, QpCapabilities, QueuePair, SendBatch,
+    Access, CmId, CompletionBatch, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
+    QpCapabilities, QueuePair, SendBatch,
 };
 use crate::RdmaTransport;
 
@@ -61,7 +63,7 @@ pub(crate) struct Established {
     send: SlotMemory,
     pd: ProtectionDomain,
     cq: CompletionQueue,
-    cc: CompletionChannel,
+    completions: ChannelLease,
     id: CmId,
     own: Hello,
     peer: Hello,
@@ -76,7 +78,7 @@ pub(crate) struct Established {
 struct Half {
     wired: Wired,
     cq: CompletionQueue,
-    cc: CompletionChannel,
+    completions: ChannelLease,
     pd: ProtectionDomain,
     own: Hello,
 }
@@ -92,7 +94,11 @@ struct Half {
 /// pinned). On Soft-RoCE itself it changed no latency measurably.
 const INLINE_SEND_BYTES: u32 = 256;
 
-fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
+fn make_half(
+    id: &mut CmId,
+    cfg: &RdmaTransport,
+    completions: ChannelLease,
+) -> Result<Half, crate::verbs::Error> {
     let shared = if cfg.shared_protection_domain {
         ProtectionDomain::shared(id)?
     } else {
@@ -102,7 +108,6 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         Some(pd) => pd,
         None => ProtectionDomain::new(id)?,
     };
-    let cc = CompletionChannel::new(id)?;
     // Unsignaled binds of memory windows precede the announcements of our
     // transfers, each at most `MAX_SEGMENTS`: only a side that sends by
     // rendezvous binds any.
@@ -121,7 +126,10 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         + crate::verbs::READ_DEPTH
         + binds
         + 4;
-    let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
+    // It reports on the channel of the device and runtime, read by a task
+    // on the runtime (`completion_events`): no descriptor per connection.
+    let cq =
+        CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, completions.channel())?;
     let qp = QueuePair::new(
         id,
         &pd,
@@ -147,7 +155,7 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     let mut half = Half {
         wired: Wired { qp, ring },
         cq,
-        cc,
+        completions,
         pd,
         own,
     };
@@ -213,7 +221,7 @@ fn finish(
         send,
         pd: half.pd,
         cq: half.cq,
-        cc: half.cc,
+        completions: half.completions,
         id,
         own: half.own,
         peer,
@@ -234,7 +242,8 @@ pub(crate) async fn connect(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let half = make_half(&mut id, cfg).map_err(e)?;
+    let completions = completion_events::lease(&id)?;
+    let half = make_half(&mut id, cfg, completions).map_err(e)?;
     // The challenge request names this connection's queue pair: unique
     // among this host's connections, and not connected until the
     // challenge was answered.
@@ -392,7 +401,8 @@ pub(crate) async fn accept(
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
-    let half = make_half(&mut id, cfg).map_err(e)?;
+    let completions = completion_events::lease(&id)?;
+    let half = make_half(&mut id, cfg, completions).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {
@@ -427,13 +437,13 @@ impl Established {
         self,
         limits: FrameLimits,
         cfg: &RdmaTransport,
-    ) -> (Arc<Shared>, CmId, CompletionChannel) {
+    ) -> (Arc<Shared>, CmId, ChannelLease) {
         let Established {
             wired: Wired { qp, ring },
             send,
             pd,
             cq,
-            cc,
+            completions,
             id,
             own,
             peer,
@@ -491,11 +501,12 @@ impl Established {
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
             wake_task: Notify::new(),
+            cq_reported: AtomicBool::new(false),
             payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,
             _lease: DropLater::new(lease),
         });
-        (shared, id, cc)
+        (shared, id, completions)
     }
 }

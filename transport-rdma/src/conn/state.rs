@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
 use std::time::Instant;
@@ -379,6 +380,9 @@ pub(super) struct Shared {
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
     pub(super) wake_task: Notify,
+    /// The armed completion queue reported completions (on its device's
+    /// shared channel, read by the device's watcher): the driver re-arms it.
+    pub(super) cq_reported: AtomicBool,
     /// Payload buffers for frames going by rendezvous (frames at least
     /// this long), if they go so to this peer.
     pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
@@ -1019,6 +1023,11 @@ impl LiveConnection for Shared {
     fn end_from_cm_event(&self, event: &str) {
         // The first such event counts; the driver acts on it.
         let _ = self.ended_by_cm.set(event.to_string());
+        self.wake_task.notify_one();
+    }
+
+    fn completions_ready(&self) {
+        self.cq_reported.store(true, Ordering::Release);
         self.wake_task.notify_one();
     }
 

@@ -2,15 +2,17 @@
 
 use std::ffi::CStr;
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use super::{errno_error, last_os_error, CmId, Error, Result, SharedCmId};
+use super::{errno_error, last_os_error, CmId, CqId, Error, Result, SharedCmId};
 
-/// An `ibv_cq` on the device of a [`CmId`], polled (no completion channel
-/// yet). Cloning shares the same CQ.
+/// An `ibv_cq` on the device of a [`CmId`], polled, and reporting to a
+/// [`CompletionChannel`] when armed if made [`with_channel`](Self::with_channel).
+/// Cloning shares the same CQ.
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
@@ -31,7 +33,8 @@ unsafe impl Send for CqInner {}
 unsafe impl Sync for CqInner {}
 
 /// An `ibv_comp_channel`: a file descriptor that becomes readable when an
-/// armed [`CompletionQueue`] gets a completion. Non-blocking. Cloning shares it.
+/// armed [`CompletionQueue`] on it gets a completion; each event names its
+/// queue. Non-blocking. Cloning shares it.
 #[derive(Clone)]
 pub struct CompletionChannel {
     inner: Arc<CompChannelInner>,
@@ -57,6 +60,7 @@ impl CompletionChannel {
         // SAFETY: `verbs` is the live context of the id's device.
         let raw = unsafe { ffi::ibv_create_comp_channel(verbs.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCompChannel(last_os_error()))?;
+        LIVE_CHANNELS.fetch_add(1, Ordering::Relaxed);
         let channel = Self {
             inner: Arc::new(CompChannelInner {
                 raw,
@@ -83,9 +87,11 @@ impl CompletionChannel {
     }
 
     /// Takes one completion event if there is one (`ibv_get_cq_event`) and
-    /// acknowledges it; true if one was taken. The CQ must be re-armed
-    /// ([`CompletionQueue::arm`]) to get another.
-    pub fn try_take_event(&self) -> Result<bool> {
+    /// acknowledges it; returns the completion queue it is for, which must
+    /// be re-armed ([`CompletionQueue::arm`]) to report again. That queue
+    /// may be destroyed as soon as this returns (the acknowledgement is
+    /// what its destruction waits for), and its address reused.
+    pub fn try_take_event(&self) -> Result<Option<CqId>> {
         let mut cq = ptr::null_mut();
         let mut ctx = ptr::null_mut();
         // SAFETY: the channel is live; `cq` and `ctx` are valid out-pointers;
@@ -94,7 +100,7 @@ impl CompletionChannel {
         if ret != 0 {
             let err = last_os_error();
             return if err.kind() == std::io::ErrorKind::WouldBlock {
-                Ok(false)
+                Ok(None)
             } else {
                 Err(Error::GetCqEvent(err))
             };
@@ -102,7 +108,7 @@ impl CompletionChannel {
         // SAFETY: `cq` is the live CQ the event is for (it holds this
         // channel, and we hold the channel); one event is acknowledged.
         unsafe { ffi::ibv_ack_cq_events(cq, 1) };
-        Ok(true)
+        Ok(Some(CqId(cq as usize)))
     }
 }
 
@@ -111,7 +117,18 @@ impl Drop for CompChannelInner {
         // SAFETY: every CQ on this channel holds a clone, so none is left;
         // destroyed once.
         unsafe { ffi::ibv_destroy_comp_channel(self.raw.as_ptr()) };
+        LIVE_CHANNELS.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// Completion channels of this process not yet destroyed.
+static LIVE_CHANNELS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many completion channels (each a file descriptor) this process
+/// holds: transport-rdma's connections share one per device and tokio
+/// runtime.
+pub fn completion_channels() -> usize {
+    LIVE_CHANNELS.load(Ordering::Relaxed)
 }
 
 /// One work completion (the fields the layer uses so far).
@@ -222,6 +239,7 @@ impl CompletionQueue {
         let raw =
             unsafe { ffi::ibv_create_cq(verbs.as_ptr(), cqe, ptr::null_mut(), ptr::null_mut(), 0) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
+        LIVE_CQS.fetch_add(1, Ordering::Relaxed);
         Ok(Self {
             inner: Arc::new(CqInner {
                 raw,
@@ -248,6 +266,7 @@ impl CompletionQueue {
             )
         };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
+        LIVE_CQS.fetch_add(1, Ordering::Relaxed);
         Ok(Self {
             inner: Arc::new(CqInner {
                 raw,
@@ -344,7 +363,16 @@ impl Drop for CqInner {
         // SAFETY: every QP using this CQ holds an `Arc` to it, so none is
         // left; the CQ is destroyed once.
         unsafe { ffi::ibv_destroy_cq(self.raw.as_ptr()) };
+        LIVE_CQS.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// Completion queues of this process not yet destroyed.
+static LIVE_CQS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many completion queues this process holds (one per connection end).
+pub fn completion_queues() -> usize {
+    LIVE_CQS.load(Ordering::Relaxed)
 }
 
 #[cfg(test)]

@@ -57,13 +57,16 @@ pub use async_event::{
 };
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub(crate) use cm::{Event as CmEventRecord, SharedCmId};
-pub use cq::{CompletionBatch, CompletionChannel, CompletionQueue, WorkCompletion};
+pub use cq::{
+    completion_channels, completion_queues, CompletionBatch, CompletionChannel, CompletionQueue,
+    WorkCompletion,
+};
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
 pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
 pub use mw::MemoryWindow;
 pub use pd::{protection_domains, ProtectionDomain};
-pub use qp::{QpCapabilities, QueuePair, SendBatch, SendPoster};
+pub use qp::{queue_pairs, QpCapabilities, QueuePair, SendBatch, SendPoster};
 
 use std::io;
 
