@@ -4,9 +4,10 @@
 //!
 //! A connection's completion queue reports to the channel of its device
 //! and of the runtime that set it up ([`lease`]); the channel's reader, a
-//! task on that runtime, takes each event and tells the connection whose
-//! queue it names ([`registry::completions_ready`]); its driver re-arms the
-//! queue and takes the completions. The reader runs on the connections'
+//! task on that runtime, takes each event, which calls the queue's
+//! [`CompletionEvents`](crate::verbs::CompletionEvents) (no lookup: the
+//! queue's context points at it): that wakes the connection's driver,
+//! which re-arms the queue and takes the completions. The reader runs on the connections'
 //! own runtime because a wake-up from another thread costs: read by the
 //! device's watcher thread, event-driven 32 B calls took 1.7× as long in
 //! the Soft-RoCE guest (`docs/benchmarks.md`). The reader stops when the
@@ -85,8 +86,9 @@ pub(crate) fn lease(id: &CmId) -> Result<ChannelLease, TransportError> {
     let fd = unsafe { AsyncFd::register(ChannelFd(channel.clone())) }
         .map_err(|e| TransportError::io(context, e.into_parts().1))?;
     let (stop, stopped) = oneshot::channel();
-    tokio::spawn(read(fd, device, stopped));
     let reader = NEXT_READER.fetch_add(1, Ordering::Relaxed);
+    // It cannot leave the registry (below) before it is in: we hold the lock.
+    tokio::spawn(read(fd, device, reader, stopped));
     readers.push(Reader {
         device,
         runtime,
@@ -121,28 +123,35 @@ impl AsRawFd for ChannelFd {
 }
 
 /// The reader: takes the channel's events until stopped (or reading fails:
-/// then the device's connections are failed, as nothing would wake them).
-async fn read(fd: AsyncFd<ChannelFd>, device: DeviceId, mut stop: oneshot::Receiver<()>) {
-    let failed = loop {
+/// then it leaves the registry, so that the next connection starts a new
+/// one, and the device's connections are failed, as nothing would wake
+/// them).
+async fn read(
+    fd: AsyncFd<ChannelFd>,
+    device: DeviceId,
+    reader: u64,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let failed = 'reading: loop {
         tokio::select! {
             ready = fd.readable() => {
                 match ready {
                     Ok(mut guard) => guard.clear_ready(),
-                    Err(e) => break format!("waiting for completion events: {e}"),
+                    Err(e) => break 'reading format!("waiting for completion events: {e}"),
                 }
                 loop {
+                    // Each event wakes its queue's driver (`DriverWake`).
                     match fd.get_ref().0.try_take_event() {
-                        // False for a queue whose connection is gone:
-                        // nothing to do.
-                        Ok(Some(cq)) => { registry::completions_ready(cq); }
-                        Ok(None) => break,
-                        Err(e) => return give_up(device, &format!("reading completion events: {e}")),
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => break 'reading format!("reading completion events: {e}"),
                     }
                 }
             }
             _ = &mut stop => return,
         }
     };
+    readers().retain(|r| r.id != reader);
     give_up(device, &failed);
 }
 

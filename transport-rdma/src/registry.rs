@@ -1,11 +1,10 @@
 //! The live connections, with where each sits on its device: what device
 //! async events ([`crate::device_events`]) fail, whom the connection
-//! manager's events and the completion events on a device's shared
-//! channels are about, and what the debugging dump shows. Connections register themselves as [`LiveConnection`]s, so
+//! manager's events on a device's shared channel are about, and what the
+//! debugging dump shows. Connections register themselves as [`LiveConnection`]s, so
 //! neither the events nor this registry depend on the connection's module.
 
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, Weak};
+use std::sync::{Mutex, Weak};
 
 use crate::verbs::{CmId, CompletionQueue, CqId, DeviceId, QueuePair};
 
@@ -69,9 +68,6 @@ pub(crate) trait LiveConnection: Send + Sync {
     /// The connection manager reported the connection's end (`event`
     /// names it): its driver takes what arrived before it, then ends it.
     fn end_from_cm_event(&self, event: &str);
-    /// Its armed completion queue reported a completion: its driver
-    /// re-arms the queue and takes what completed.
-    fn completions_ready(&self);
     /// One line about its protocol state.
     fn summary(&self) -> String;
 }
@@ -79,35 +75,11 @@ pub(crate) trait LiveConnection: Send + Sync {
 /// Every connection started; dead entries are swept at each addition.
 static LIVE: Mutex<Vec<(Weak<dyn LiveConnection>, Placement)>> = Mutex::new(Vec::new());
 
-/// The started connections by completion queue, for the completion events
-/// of thousands of them (one lookup each, not a scan). A queue's address
-/// is reused only once it was destroyed (after its connection), and the
-/// connection whose queue reuses it replaces the entry.
-static BY_CQ: LazyLock<Mutex<HashMap<CqId, Weak<dyn LiveConnection>>>> =
-    LazyLock::new(Default::default);
-
 /// Registers a started connection.
 pub(crate) fn add(connection: Weak<dyn LiveConnection>, placement: Placement) {
-    let mut by_cq = BY_CQ.lock().unwrap_or_else(|e| e.into_inner());
-    by_cq.retain(|_, w| w.strong_count() > 0);
-    by_cq.insert(placement.cq, connection.clone());
-    drop(by_cq);
     let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
     live.retain(|(w, _)| w.strong_count() > 0);
     live.push((connection, placement));
-}
-
-/// Tells the connection of completion queue `cq` that the queue reported
-/// completions (an event on its device's shared completion channel); false
-/// if it is gone.
-pub(crate) fn completions_ready(cq: CqId) -> bool {
-    let hit = BY_CQ
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&cq)
-        .and_then(Weak::upgrade);
-    hit.map(|connection| connection.completions_ready())
-        .is_some()
 }
 
 /// Fails the live connections on `device` that `target` names (an async
@@ -172,15 +144,12 @@ mod tests {
         fn end_from_cm_event(&self, event: &str) {
             *self.0.lock().unwrap() = Some(event.to_string());
         }
-        fn completions_ready(&self) {
-            *self.0.lock().unwrap() = Some("completions".to_string());
-        }
         fn summary(&self) -> String {
             String::new()
         }
     }
 
-    fn register(connection: &Arc<Recorder>, cm_id: usize, cq: CqId) {
+    fn register(connection: &Arc<Recorder>, cm_id: usize) {
         let live: Arc<dyn LiveConnection> = Arc::clone(connection) as _;
         add(
             Arc::downgrade(&live),
@@ -188,7 +157,7 @@ mod tests {
                 device: DeviceId(0x3000),
                 port: 1,
                 qp_num: 0x21,
-                cq,
+                cq: CqId(0xd0),
                 cm_id,
             },
         );
@@ -201,8 +170,8 @@ mod tests {
         // the connection whose id now has the same address.
         let failed = Arc::new(Recorder::default());
         let current = Arc::new(Recorder::default());
-        register(&failed, ID, CqId(0xd0));
-        register(&current, ID, CqId(0xd8));
+        register(&failed, ID);
+        register(&current, ID);
         assert!(end_by_cm_event(ID, "RDMA_CM_EVENT_DISCONNECTED"));
         assert_eq!(
             current.0.lock().unwrap().as_deref(),
@@ -211,23 +180,5 @@ mod tests {
         assert_eq!(*failed.0.lock().unwrap(), None);
         // An id no connection has: nothing ended.
         assert!(!end_by_cm_event(ID + 8, "RDMA_CM_EVENT_DISCONNECTED"));
-    }
-
-    #[test]
-    fn a_completion_event_reaches_the_newest_connection_of_its_queue() {
-        const CQ: CqId = CqId(0x0c0c_0000);
-        // A connection whose queue was destroyed, and the one whose queue
-        // now has the same address.
-        let gone = Arc::new(Recorder::default());
-        let current = Arc::new(Recorder::default());
-        register(&gone, 0x31, CQ);
-        register(&current, 0x32, CQ);
-        assert!(completions_ready(CQ));
-        assert_eq!(current.0.lock().unwrap().as_deref(), Some("completions"));
-        assert_eq!(*gone.0.lock().unwrap(), None);
-        // Once it is dropped, or for a queue no connection has: nobody.
-        drop(current);
-        assert!(!completions_ready(CQ));
-        assert!(!completions_ready(CqId(0x0c0c_0008)));
     }
 }

@@ -2,7 +2,6 @@
 //! and released slots in; it ends when the connection failed or both
 //! halves are dropped and everything was sent.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -228,7 +227,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 // The channel's reader took the queue's event: arm it for
                 // the next, then (at the top) take what completed, so that
                 // nothing completing in between goes unannounced.
-                if shared.cq_reported.swap(false, Ordering::Acquire) {
+                if shared.wake_task.take_cq_reported() {
                     if let Err(e) = shared.cq.arm() {
                         shared.lock().fail(format!("arming the completion queue: {e}"));
                     }

@@ -20,17 +20,15 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
-use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
 use super::payloads::PayloadPool;
 use super::slots::SlotMemory;
-use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
+use super::state::{Buffers, DriverWake, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
 use crate::completion_events::{self, ChannelLease};
 use crate::proto::auth::{self, Challenge, Proven};
@@ -63,6 +61,7 @@ pub(crate) struct Established {
     send: SlotMemory,
     pd: ProtectionDomain,
     cq: CompletionQueue,
+    wake: Arc<DriverWake>,
     completions: ChannelLease,
     id: CmId,
     own: Hello,
@@ -78,6 +77,7 @@ pub(crate) struct Established {
 struct Half {
     wired: Wired,
     cq: CompletionQueue,
+    wake: Arc<DriverWake>,
     completions: ChannelLease,
     pd: ProtectionDomain,
     own: Hello,
@@ -128,8 +128,14 @@ fn make_half(
         + 4;
     // It reports on the channel of the device and runtime, read by a task
     // on the runtime (`completion_events`): no descriptor per connection.
-    let cq =
-        CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, completions.channel())?;
+    // Its reports wake the connection's driver.
+    let wake = Arc::new(DriverWake::default());
+    let cq = CompletionQueue::with_channel(
+        id,
+        max_send_wr + cfg.ring_slots + 8,
+        completions.channel(),
+        Arc::clone(&wake) as _,
+    )?;
     let qp = QueuePair::new(
         id,
         &pd,
@@ -155,6 +161,7 @@ fn make_half(
     let mut half = Half {
         wired: Wired { qp, ring },
         cq,
+        wake,
         completions,
         pd,
         own,
@@ -221,6 +228,7 @@ fn finish(
         send,
         pd: half.pd,
         cq: half.cq,
+        wake: half.wake,
         completions: half.completions,
         id,
         own: half.own,
@@ -443,6 +451,7 @@ impl Established {
             send,
             pd,
             cq,
+            wake,
             completions,
             id,
             own,
@@ -500,8 +509,7 @@ impl Established {
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
-            wake_task: Notify::new(),
-            cq_reported: AtomicBool::new(false),
+            wake_task: wake,
             payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,

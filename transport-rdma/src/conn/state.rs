@@ -22,8 +22,8 @@ use crate::proto::{
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CompletionBatch, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain,
-    QueuePair, RemoteRegion, SendBatch, WorkCompletion,
+    Access, CompletionBatch, CompletionEvents, CompletionQueue, MemoryRegion, MemoryWindow,
+    ProtectionDomain, QueuePair, RemoteRegion, SendBatch, WorkCompletion,
 };
 
 pub(super) struct Buffers {
@@ -379,10 +379,8 @@ pub(super) struct Shared {
     /// Rendezvous frames the application dropped while the state was
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
-    pub(super) wake_task: Notify,
-    /// The armed completion queue reported completions (on its device's
-    /// shared channel, read by the device's watcher): the driver re-arms it.
-    pub(super) cq_reported: AtomicBool,
+    /// Wakes the driver task; the completion queue's reports call it too.
+    pub(super) wake_task: Arc<DriverWake>,
     /// Payload buffers for frames going by rendezvous (frames at least
     /// this long), if they go so to this peer.
     pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
@@ -393,6 +391,38 @@ pub(super) struct Shared {
     /// A server's connection gives its admission back once its memory
     /// (above) is freed.
     pub(super) _lease: DropLater<Option<crate::admission::Lease>>,
+}
+
+/// Wakes a connection's driver: for work to do, or because its completion
+/// queue reported (the reader of the queue's channel calls
+/// [`CompletionEvents::reported`]), and then the driver re-arms the queue.
+#[derive(Default)]
+pub(super) struct DriverWake {
+    notify: Notify,
+    cq_reported: AtomicBool,
+}
+
+impl DriverWake {
+    pub(super) fn notify_one(&self) {
+        self.notify.notify_one();
+    }
+
+    /// Wakes when notified (at once if it was since the last wake-up).
+    pub(super) async fn notified(&self) {
+        self.notify.notified().await;
+    }
+
+    /// Whether the queue reported since the last call: re-arm it.
+    pub(super) fn take_cq_reported(&self) -> bool {
+        self.cq_reported.swap(false, Ordering::Acquire)
+    }
+}
+
+impl CompletionEvents for DriverWake {
+    fn reported(&self) {
+        self.cq_reported.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
 }
 
 impl Shared {
@@ -1023,11 +1053,6 @@ impl LiveConnection for Shared {
     fn end_from_cm_event(&self, event: &str) {
         // The first such event counts; the driver acts on it.
         let _ = self.ended_by_cm.set(event.to_string());
-        self.wake_task.notify_one();
-    }
-
-    fn completions_ready(&self) {
-        self.cq_reported.store(true, Ordering::Release);
         self.wake_task.notify_one();
     }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use super::{errno_error, last_os_error, CmId, CqId, Error, Result, SharedCmId};
+use super::{errno_error, last_os_error, CmId, Error, Result, SharedCmId};
 
 /// An `ibv_cq` on the device of a [`CmId`], polled, and reporting to a
 /// [`CompletionChannel`] when armed if made [`with_channel`](Self::with_channel).
@@ -22,6 +22,10 @@ pub(crate) struct CqInner {
     pub(crate) raw: NonNull<ffi::ibv_cq>,
     /// The channel it reports to, if any (destroyed after the CQ).
     _channel: Option<CompletionChannel>,
+    /// What its reports call, if it has a channel: its `cq_context` points
+    /// at the `Arc` in the box (a thin pointer that does not move).
+    /// Dropped after the CQ is destroyed.
+    _events: Option<Box<Arc<dyn CompletionEvents>>>,
     /// Keeps the device context alive.
     _id: SharedCmId,
 }
@@ -86,12 +90,11 @@ impl CompletionChannel {
         unsafe { self.inner.raw.as_ref().fd }
     }
 
-    /// Takes one completion event if there is one (`ibv_get_cq_event`) and
-    /// acknowledges it; returns the completion queue it is for, which must
-    /// be re-armed ([`CompletionQueue::arm`]) to report again. That queue
-    /// may be destroyed as soon as this returns (the acknowledgement is
-    /// what its destruction waits for), and its address reused.
-    pub fn try_take_event(&self) -> Result<Option<CqId>> {
+    /// Takes one completion event if there is one (`ibv_get_cq_event`),
+    /// tells the queue's [`CompletionEvents`] and acknowledges the event;
+    /// true if one was taken. The queue must be re-armed
+    /// ([`CompletionQueue::arm`]) to report again.
+    pub fn try_take_event(&self) -> Result<bool> {
         let mut cq = ptr::null_mut();
         let mut ctx = ptr::null_mut();
         // SAFETY: the channel is live; `cq` and `ctx` are valid out-pointers;
@@ -100,16 +103,33 @@ impl CompletionChannel {
         if ret != 0 {
             let err = last_os_error();
             return if err.kind() == std::io::ErrorKind::WouldBlock {
-                Ok(None)
+                Ok(false)
             } else {
                 Err(Error::GetCqEvent(err))
             };
         }
+        // SAFETY: only `CompletionQueue::with_channel` makes queues on a
+        // channel, with `ctx` pointing at the boxed `Arc` its `CqInner`
+        // holds; that queue is live until the event is acknowledged below
+        // (`ibv_destroy_cq` waits for the events taken to be), and the box
+        // is dropped only after the queue is destroyed.
+        let events = unsafe { &*ctx.cast_const().cast::<Arc<dyn CompletionEvents>>() };
+        events.reported();
         // SAFETY: `cq` is the live CQ the event is for (it holds this
         // channel, and we hold the channel); one event is acknowledged.
         unsafe { ffi::ibv_ack_cq_events(cq, 1) };
-        Ok(Some(CqId(cq as usize)))
+        Ok(true)
     }
+}
+
+/// What an armed [`CompletionQueue`]'s report calls, on the thread that
+/// takes its channel's events ([`CompletionChannel::try_take_event`]).
+pub trait CompletionEvents: Send + Sync {
+    /// The queue reported a completion: poll it, and re-arm it
+    /// ([`CompletionQueue::arm`]) for the next report. Called before the
+    /// event is acknowledged (the queue cannot be destroyed meanwhile):
+    /// return quickly.
+    fn reported(&self);
 }
 
 impl Drop for CompChannelInner {
@@ -244,26 +264,31 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: None,
+                _events: None,
                 _id: id.share(),
             }),
         })
     }
 
     /// Creates a completion queue of at least `depth` entries reporting to
-    /// `channel` when armed ([`arm`](Self::arm)).
-    pub fn with_channel(id: &CmId, depth: u32, channel: &CompletionChannel) -> Result<Self> {
+    /// `channel` when armed ([`arm`](Self::arm)): its reports call `events`.
+    pub fn with_channel(
+        id: &CmId,
+        depth: u32,
+        channel: &CompletionChannel,
+        events: Arc<dyn CompletionEvents>,
+    ) -> Result<Self> {
         let verbs = id.verbs()?;
         let cqe = libc::c_int::try_from(depth).unwrap_or(libc::c_int::MAX);
+        let events = Box::new(events);
+        let context = std::ptr::from_ref::<Arc<dyn CompletionEvents>>(&*events)
+            .cast_mut()
+            .cast::<libc::c_void>();
         // SAFETY: `verbs` is the live context of the id's device, and the
-        // channel was made on the same device; no user context.
+        // channel was made on the same device; `context` points into the
+        // box the CQ keeps until it is destroyed (see `try_take_event`).
         let raw = unsafe {
-            ffi::ibv_create_cq(
-                verbs.as_ptr(),
-                cqe,
-                ptr::null_mut(),
-                channel.inner.raw.as_ptr(),
-                0,
-            )
+            ffi::ibv_create_cq(verbs.as_ptr(), cqe, context, channel.inner.raw.as_ptr(), 0)
         };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
         LIVE_CQS.fetch_add(1, Ordering::Relaxed);
@@ -271,6 +296,7 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: Some(channel.clone()),
+                _events: Some(events),
                 _id: id.share(),
             }),
         })
