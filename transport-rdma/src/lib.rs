@@ -249,7 +249,6 @@
 //! `cargo xtask rxe -- <test binary> --ignored --test-threads=1`).
 
 mod admission;
-mod completion_events;
 mod conn;
 mod device_events;
 pub mod proto;

@@ -1,7 +1,8 @@
 //! What the RDMA transport reports for metrics
 //! ([`Transport::stats`](rpc_core::transport::Transport::stats)): memory
 //! pinned now, the verbs objects held (queue pairs, completion queues and
-//! the shared ones), device async events seen, connect requests refused, and
+//! channels, protection domains), device async events seen, connect
+//! requests refused, and
 //! how rendezvous frames left (read in place, or copied first). rpc-core counts what every
 //! transport has (connections, reconnects, sends that waited for credits).
 //!
@@ -89,16 +90,15 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
 }
 
 /// The verbs objects this process holds now, by kind: each connection end
-/// holds a queue pair and a completion queue, and shares the completion
-/// channel of its device and runtime and the protection domain of its
-/// device.
+/// holds a queue pair, a completion queue and its completion channel, and
+/// shares its device's protection domain.
 fn object_stats<const N: usize>(held: [(&str, usize); N]) -> [TransportStat; N] {
     held.map(|(kind, count)| {
         TransportStat::gauge(
             "rdma_verbs_objects",
-            "Verbs objects held now, by kind (queue pairs and completion queues: one per \
-             connection end; completion channels: one per device and runtime; protection \
-             domains: one per device unless connections were told not to share)",
+            "Verbs objects held now, by kind (queue pairs, completion queues and completion \
+             channels: one per connection end; protection domains: one per device unless \
+             connections were told not to share)",
             count as u64,
         )
         .with_label("kind", kind.to_string())

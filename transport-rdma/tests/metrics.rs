@@ -82,9 +82,13 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
         2 * IDLE_PER_END
     );
     assert_eq!(connections(Side::Client).open(), 1);
-    // A queue pair and a completion queue per end; the completion channel
-    // of the device and runtime and the device's protection domain shared.
-    assert_eq!(verbs_objects(), [2, 2, 1, 1]);
+    // A queue pair, a completion queue and its channel per end; the
+    // device's protection domain shared.
+    assert_eq!(verbs_objects(), [2, 2, 2, 1]);
+    // The debugging dump names each end's queue pair state, as the device
+    // reports it.
+    let dump = transport_rdma::debug_dump();
+    assert_eq!(dump.matches("| QP RTS, ack timeout ").count(), 2, "{dump}");
     let server_side = support::eventually(Duration::from_secs(10), || {
         connections(Side::Server).open() == 1
     })

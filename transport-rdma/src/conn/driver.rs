@@ -2,21 +2,39 @@
 //! and released slots in; it ends when the connection failed or both
 //! halves are dropped and everything was sent.
 
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpc_core::transport::{Connection, FrameLimits, TransportError};
+use tokio::io::unix::AsyncFd;
 
 use super::io::{BusyPoll, RdmaSink, RdmaSource};
 use super::io_error;
 use super::setup::Established;
 use super::state::Shared;
-use crate::completion_events::ChannelLease;
 use crate::device_events;
 use crate::registry;
 use crate::teardown;
-use crate::verbs::CmId;
+use crate::verbs::{CmId, CompletionChannel};
 use crate::RdmaTransport;
+
+struct CqFd(CompletionChannel);
+
+impl AsRawFd for CqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.fd()
+    }
+}
+
+fn register(inner: CqFd) -> Result<AsyncFd<CqFd>, TransportError> {
+    // SAFETY: `inner` owns the channel whose open descriptor it returns,
+    // always the same one; the AsyncFd owns `inner`, so the descriptor
+    // stays open until the AsyncFd is dropped (it deregisters before
+    // dropping `inner`).
+    unsafe { AsyncFd::register(inner) }
+        .map_err(|e| TransportError::io("register the completion channel", e.into_parts().1))
+}
 
 /// Starts an established connection's driver task; returns its frame
 /// halves.
@@ -54,7 +72,8 @@ pub(crate) fn start_halves(
         .map_err(|e| io_error("find the connection's device objects", e))?;
     // From here on the QP and the memory live in `Shared` (QP first), so
     // an error below drops them in that order.
-    let (shared, mut id, completions) = est.into_shared(limits, cfg);
+    let (shared, mut id, cc) = est.into_shared(limits, cfg);
+    let cq_fd = register(CqFd(cc))?;
     let live: Arc<dyn registry::LiveConnection> = Arc::clone(&shared) as _;
     registry::add(Arc::downgrade(&live), placement);
     // After the connection is in the registry: a starting watcher acts on the
@@ -71,8 +90,8 @@ pub(crate) fn start_halves(
     tokio::spawn(drive(
         Arc::clone(&shared),
         Driver {
+            cq_fd,
             id,
-            _completions: completions,
             keepalive,
             release_idle_memory: cfg.release_idle_memory,
             _device_watch: device_watch,
@@ -90,6 +109,7 @@ pub(crate) fn start_halves(
 }
 
 struct Driver {
+    cq_fd: AsyncFd<CqFd>,
     /// The connection's `cm_id`; its events are read by the device's
     /// watcher, which sets [`Shared::ended_by_cm`].
     id: CmId,
@@ -101,9 +121,6 @@ struct Driver {
     /// [`State::release_idle_regions`]: super::state::State::release_idle_regions
     /// [`State::release_idle_send_slots`]: super::state::State::release_idle_send_slots
     release_idle_memory: Option<Duration>,
-    /// Keeps the reader of the completion channel the queue reports to
-    /// running while the driver does.
-    _completions: ChannelLease,
     /// Keeps the device's async-event watcher running while the driver does.
     _device_watch: device_events::WatchLease,
 }
@@ -223,16 +240,23 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
             }
         };
         tokio::select! {
-            () = shared.wake_task.notified() => {
-                // The channel's reader took the queue's event: arm it for
-                // the next, then (at the top) take what completed, so that
-                // nothing completing in between goes unannounced.
-                if shared.wake_task.take_cq_reported() {
-                    if let Err(e) = shared.cq.arm() {
-                        shared.lock().fail(format!("arming the completion queue: {e}"));
+            ready = d.cq_fd.readable() => {
+                match ready {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => { shared.lock().fail(format!("waiting for completions: {e}")); continue; }
+                }
+                loop {
+                    match d.cq_fd.get_ref().0.try_take_event() {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
                     }
                 }
+                if let Err(e) = shared.cq.arm() {
+                    shared.lock().fail(format!("arming the completion queue: {e}"));
+                }
             }
+            () = shared.wake_task.notified() => {}
             () = linger => {}
             _ = async { idle_checks.as_mut().expect("checked").tick().await }, if idle_checks.is_some() => {
                 let mut st = shared.lock();
@@ -289,8 +313,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         w.wake();
     }
     drop(st);
-    // The cm_id goes to the teardown thread too (destroyed there once the
-    // connection's other objects, which hold it, are).
-    let Driver { id, .. } = d;
-    teardown::drop_later((shared, id));
+    // The cm_id and the completion channel, out of tokio's reactor here,
+    // go to the teardown thread too (destroyed there once the connection's
+    // other objects, which hold them, are).
+    let Driver { cq_fd, id, .. } = d;
+    teardown::drop_later((shared, id, cq_fd.into_inner()));
 }

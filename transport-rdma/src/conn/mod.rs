@@ -8,9 +8,7 @@
 //! sink and source halves the application uses), [`transfer`] (the
 //! registrations of our rendezvous transfers), [`driver`] (the task
 //! that feeds completions and connection-manager events in). The registry
-//! of live connections that device events fail, and that the completion
-//! events of their device and runtime's channel wake
-//! ([`crate::completion_events`]), is [`crate::registry`].
+//! of live connections that device events fail is [`crate::registry`].
 //!
 //! All protocol decisions are [`crate::proto`]'s; this module owns the
 //! memory, posts the work requests the protocol allows, and turns

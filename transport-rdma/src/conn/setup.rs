@@ -23,21 +23,21 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
+use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::io_error;
 use super::payloads::PayloadPool;
 use super::slots::SlotMemory;
-use super::state::{Buffers, DriverWake, Shared, State, FIRST_DATA_SLOTS};
+use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
-use crate::completion_events::{self, ChannelLease};
 use crate::proto::auth::{self, Challenge, Proven};
 use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
 use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CmId, CompletionBatch, CompletionQueue, EventChannel, MemoryRegion, ProtectionDomain,
-    QpCapabilities, QueuePair, SendBatch,
+    Access, CmId, CompletionBatch, CompletionChannel, CompletionQueue, EventChannel, MemoryRegion,
+    ProtectionDomain, QpCapabilities, QueuePair, SendBatch,
 };
 use crate::RdmaTransport;
 
@@ -61,8 +61,7 @@ pub(crate) struct Established {
     send: SlotMemory,
     pd: ProtectionDomain,
     cq: CompletionQueue,
-    wake: Arc<DriverWake>,
-    completions: ChannelLease,
+    cc: CompletionChannel,
     id: CmId,
     own: Hello,
     peer: Hello,
@@ -77,8 +76,7 @@ pub(crate) struct Established {
 struct Half {
     wired: Wired,
     cq: CompletionQueue,
-    wake: Arc<DriverWake>,
-    completions: ChannelLease,
+    cc: CompletionChannel,
     pd: ProtectionDomain,
     own: Hello,
 }
@@ -94,11 +92,7 @@ struct Half {
 /// pinned). On Soft-RoCE itself it changed no latency measurably.
 const INLINE_SEND_BYTES: u32 = 256;
 
-fn make_half(
-    id: &mut CmId,
-    cfg: &RdmaTransport,
-    completions: ChannelLease,
-) -> Result<Half, crate::verbs::Error> {
+fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
     let shared = if cfg.shared_protection_domain {
         ProtectionDomain::shared(id)?
     } else {
@@ -108,6 +102,7 @@ fn make_half(
         Some(pd) => pd,
         None => ProtectionDomain::new(id)?,
     };
+    let cc = CompletionChannel::new(id)?;
     // Unsignaled binds of memory windows precede the announcements of our
     // transfers, each at most `MAX_SEGMENTS`: only a side that sends by
     // rendezvous binds any.
@@ -126,16 +121,7 @@ fn make_half(
         + crate::verbs::READ_DEPTH
         + binds
         + 4;
-    // It reports on the channel of the device and runtime, read by a task
-    // on the runtime (`completion_events`): no descriptor per connection.
-    // Its reports wake the connection's driver.
-    let wake = Arc::new(DriverWake::default());
-    let cq = CompletionQueue::with_channel(
-        id,
-        max_send_wr + cfg.ring_slots + 8,
-        completions.channel(),
-        Arc::clone(&wake) as _,
-    )?;
+    let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,
         &pd,
@@ -161,8 +147,7 @@ fn make_half(
     let mut half = Half {
         wired: Wired { qp, ring },
         cq,
-        wake,
-        completions,
+        cc,
         pd,
         own,
     };
@@ -228,8 +213,7 @@ fn finish(
         send,
         pd: half.pd,
         cq: half.cq,
-        wake: half.wake,
-        completions: half.completions,
+        cc: half.cc,
         id,
         own: half.own,
         peer,
@@ -250,8 +234,7 @@ pub(crate) async fn connect(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let completions = completion_events::lease(&id)?;
-    let half = make_half(&mut id, cfg, completions).map_err(e)?;
+    let half = make_half(&mut id, cfg).map_err(e)?;
     // The challenge request names this connection's queue pair: unique
     // among this host's connections, and not connected until the
     // challenge was answered.
@@ -409,8 +392,7 @@ pub(crate) async fn accept(
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
-    let completions = completion_events::lease(&id)?;
-    let half = make_half(&mut id, cfg, completions).map_err(e)?;
+    let half = make_half(&mut id, cfg).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {
@@ -445,14 +427,13 @@ impl Established {
         self,
         limits: FrameLimits,
         cfg: &RdmaTransport,
-    ) -> (Arc<Shared>, CmId, ChannelLease) {
+    ) -> (Arc<Shared>, CmId, CompletionChannel) {
         let Established {
             wired: Wired { qp, ring },
             send,
             pd,
             cq,
-            wake,
-            completions,
+            cc,
             id,
             own,
             peer,
@@ -509,12 +490,12 @@ impl Established {
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
-            wake_task: wake,
+            wake_task: Notify::new(),
             payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,
             _lease: DropLater::new(lease),
         });
-        (shared, id, completions)
+        (shared, id, cc)
     }
 }

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Waker};
 use std::time::Instant;
@@ -22,8 +21,8 @@ use crate::proto::{
 use crate::registry::LiveConnection;
 use crate::teardown::DropLater;
 use crate::verbs::{
-    Access, CompletionBatch, CompletionEvents, CompletionQueue, MemoryRegion, MemoryWindow,
-    ProtectionDomain, QueuePair, RemoteRegion, SendBatch, WorkCompletion,
+    Access, CompletionBatch, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain,
+    QueuePair, RemoteRegion, SendBatch, WorkCompletion,
 };
 
 pub(super) struct Buffers {
@@ -379,8 +378,7 @@ pub(super) struct Shared {
     /// Rendezvous frames the application dropped while the state was
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
-    /// Wakes the driver task; the completion queue's reports call it too.
-    pub(super) wake_task: Arc<DriverWake>,
+    pub(super) wake_task: Notify,
     /// Payload buffers for frames going by rendezvous (frames at least
     /// this long), if they go so to this peer.
     pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
@@ -391,38 +389,6 @@ pub(super) struct Shared {
     /// A server's connection gives its admission back once its memory
     /// (above) is freed.
     pub(super) _lease: DropLater<Option<crate::admission::Lease>>,
-}
-
-/// Wakes a connection's driver: for work to do, or because its completion
-/// queue reported (the reader of the queue's channel calls
-/// [`CompletionEvents::reported`]), and then the driver re-arms the queue.
-#[derive(Default)]
-pub(super) struct DriverWake {
-    notify: Notify,
-    cq_reported: AtomicBool,
-}
-
-impl DriverWake {
-    pub(super) fn notify_one(&self) {
-        self.notify.notify_one();
-    }
-
-    /// Wakes when notified (at once if it was since the last wake-up).
-    pub(super) async fn notified(&self) {
-        self.notify.notified().await;
-    }
-
-    /// Whether the queue reported since the last call: re-arm it.
-    pub(super) fn take_cq_reported(&self) -> bool {
-        self.cq_reported.swap(false, Ordering::Acquire)
-    }
-}
-
-impl CompletionEvents for DriverWake {
-    fn reported(&self) {
-        self.cq_reported.store(true, Ordering::Release);
-        self.notify.notify_one();
-    }
 }
 
 impl Shared {
@@ -1059,7 +1025,7 @@ impl LiveConnection for Shared {
     fn summary(&self) -> String {
         let st = self.lock();
         format!(
-            "{}: {} | handles {} released {} receiver {}",
+            "{}: {} | handles {} released {} receiver {} | QP {}",
             self.peer,
             st.proto.summary(),
             st.handles,
@@ -1069,6 +1035,7 @@ impl LiveConnection for Shared {
             } else {
                 "not waiting"
             },
+            st.qp.describe(),
         )
     }
 }

@@ -10,9 +10,8 @@ use rdma_sys as ffi;
 
 use super::{errno_error, last_os_error, CmId, Error, Result, SharedCmId};
 
-/// An `ibv_cq` on the device of a [`CmId`], polled, and reporting to a
-/// [`CompletionChannel`] when armed if made [`with_channel`](Self::with_channel).
-/// Cloning shares the same CQ.
+/// An `ibv_cq` on the device of a [`CmId`], polled (no completion channel
+/// yet). Cloning shares the same CQ.
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
@@ -22,10 +21,6 @@ pub(crate) struct CqInner {
     pub(crate) raw: NonNull<ffi::ibv_cq>,
     /// The channel it reports to, if any (destroyed after the CQ).
     _channel: Option<CompletionChannel>,
-    /// What its reports call, if it has a channel: its `cq_context` points
-    /// at the `Arc` in the box (a thin pointer that does not move).
-    /// Dropped after the CQ is destroyed.
-    _events: Option<Box<Arc<dyn CompletionEvents>>>,
     /// Keeps the device context alive.
     _id: SharedCmId,
 }
@@ -37,8 +32,7 @@ unsafe impl Send for CqInner {}
 unsafe impl Sync for CqInner {}
 
 /// An `ibv_comp_channel`: a file descriptor that becomes readable when an
-/// armed [`CompletionQueue`] on it gets a completion; each event names its
-/// queue. Non-blocking. Cloning shares it.
+/// armed [`CompletionQueue`] gets a completion. Non-blocking. Cloning shares it.
 #[derive(Clone)]
 pub struct CompletionChannel {
     inner: Arc<CompChannelInner>,
@@ -90,10 +84,9 @@ impl CompletionChannel {
         unsafe { self.inner.raw.as_ref().fd }
     }
 
-    /// Takes one completion event if there is one (`ibv_get_cq_event`),
-    /// tells the queue's [`CompletionEvents`] and acknowledges the event;
-    /// true if one was taken. The queue must be re-armed
-    /// ([`CompletionQueue::arm`]) to report again.
+    /// Takes one completion event if there is one (`ibv_get_cq_event`) and
+    /// acknowledges it; true if one was taken. The CQ must be re-armed
+    /// ([`CompletionQueue::arm`]) to get another.
     pub fn try_take_event(&self) -> Result<bool> {
         let mut cq = ptr::null_mut();
         let mut ctx = ptr::null_mut();
@@ -108,28 +101,11 @@ impl CompletionChannel {
                 Err(Error::GetCqEvent(err))
             };
         }
-        // SAFETY: only `CompletionQueue::with_channel` makes queues on a
-        // channel, with `ctx` pointing at the boxed `Arc` its `CqInner`
-        // holds; that queue is live until the event is acknowledged below
-        // (`ibv_destroy_cq` waits for the events taken to be), and the box
-        // is dropped only after the queue is destroyed.
-        let events = unsafe { &*ctx.cast_const().cast::<Arc<dyn CompletionEvents>>() };
-        events.reported();
         // SAFETY: `cq` is the live CQ the event is for (it holds this
         // channel, and we hold the channel); one event is acknowledged.
         unsafe { ffi::ibv_ack_cq_events(cq, 1) };
         Ok(true)
     }
-}
-
-/// What an armed [`CompletionQueue`]'s report calls, on the thread that
-/// takes its channel's events ([`CompletionChannel::try_take_event`]).
-pub trait CompletionEvents: Send + Sync {
-    /// The queue reported a completion: poll it, and re-arm it
-    /// ([`CompletionQueue::arm`]) for the next report. Called before the
-    /// event is acknowledged (the queue cannot be destroyed meanwhile):
-    /// return quickly.
-    fn reported(&self);
 }
 
 impl Drop for CompChannelInner {
@@ -145,8 +121,7 @@ impl Drop for CompChannelInner {
 static LIVE_CHANNELS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many completion channels (each a file descriptor) this process
-/// holds: transport-rdma's connections share one per device and tokio
-/// runtime.
+/// holds: one per connection end.
 pub fn completion_channels() -> usize {
     LIVE_CHANNELS.load(Ordering::Relaxed)
 }
@@ -264,31 +239,26 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: None,
-                _events: None,
                 _id: id.share(),
             }),
         })
     }
 
     /// Creates a completion queue of at least `depth` entries reporting to
-    /// `channel` when armed ([`arm`](Self::arm)): its reports call `events`.
-    pub fn with_channel(
-        id: &CmId,
-        depth: u32,
-        channel: &CompletionChannel,
-        events: Arc<dyn CompletionEvents>,
-    ) -> Result<Self> {
+    /// `channel` when armed ([`arm`](Self::arm)).
+    pub fn with_channel(id: &CmId, depth: u32, channel: &CompletionChannel) -> Result<Self> {
         let verbs = id.verbs()?;
         let cqe = libc::c_int::try_from(depth).unwrap_or(libc::c_int::MAX);
-        let events = Box::new(events);
-        let context = std::ptr::from_ref::<Arc<dyn CompletionEvents>>(&*events)
-            .cast_mut()
-            .cast::<libc::c_void>();
         // SAFETY: `verbs` is the live context of the id's device, and the
-        // channel was made on the same device; `context` points into the
-        // box the CQ keeps until it is destroyed (see `try_take_event`).
+        // channel was made on the same device; no user context.
         let raw = unsafe {
-            ffi::ibv_create_cq(verbs.as_ptr(), cqe, context, channel.inner.raw.as_ptr(), 0)
+            ffi::ibv_create_cq(
+                verbs.as_ptr(),
+                cqe,
+                ptr::null_mut(),
+                channel.inner.raw.as_ptr(),
+                0,
+            )
         };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
         LIVE_CQS.fetch_add(1, Ordering::Relaxed);
@@ -296,7 +266,6 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 raw,
                 _channel: Some(channel.clone()),
-                _events: Some(events),
                 _id: id.share(),
             }),
         })

@@ -58,8 +58,8 @@ pub use async_event::{
 pub use cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 pub(crate) use cm::{Event as CmEventRecord, SharedCmId};
 pub use cq::{
-    completion_channels, completion_queues, CompletionBatch, CompletionChannel, CompletionEvents,
-    CompletionQueue, WorkCompletion,
+    completion_channels, completion_queues, CompletionBatch, CompletionChannel, CompletionQueue,
+    WorkCompletion,
 };
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};

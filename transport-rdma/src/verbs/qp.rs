@@ -168,17 +168,44 @@ impl QueuePair {
     /// The queue pair's ACK timeout exponent (`ibv_query_qp`,
     /// `IBV_QP_TIMEOUT`): 4.096 µs × 2^timeout per retry, 0 forever.
     pub fn ack_timeout(&self) -> Result<u8> {
+        Ok(self.query(ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT)?.timeout)
+    }
+
+    /// Its state and retry settings as the device reports them
+    /// (`ibv_query_qp`), e.g. `RTS, ack timeout 18, retries 7, RNR retries
+    /// 1`: for debugging a stalled connection.
+    pub fn describe(&self) -> String {
+        use ffi::ibv_qp_attr_mask as M;
+        let mask = M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY;
+        match self.query(mask) {
+            Ok(attr) => {
+                let state = ["RESET", "INIT", "RTR", "RTS", "SQD", "SQE", "ERR"]
+                    .get(attr.qp_state as usize)
+                    .copied()
+                    .unwrap_or("UNKNOWN");
+                format!(
+                    "{state}, ack timeout {}, retries {}, RNR retries {}",
+                    attr.timeout, attr.retry_cnt, attr.rnr_retry
+                )
+            }
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// The attributes of `mask` (`ibv_query_qp`).
+    fn query(&self, mask: ffi::ibv_qp_attr_mask) -> Result<ffi::ibv_qp_attr> {
         // SAFETY: plain C structs, for which all-zero bytes are valid.
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        let mask = ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as libc::c_int;
         // SAFETY: the QP is live (destroyed only in Drop); both out-pointers
         // are valid for the call.
-        if unsafe { ffi::ibv_query_qp(self.raw(), &mut attr, mask, &mut init) } != 0 {
+        if unsafe { ffi::ibv_query_qp(self.raw(), &mut attr, mask.0 as libc::c_int, &mut init) }
+            != 0
+        {
             return Err(Error::QueryQp(last_os_error()));
         }
-        Ok(attr.timeout)
+        Ok(attr)
     }
 
     fn check_pd(&self, mr: &MemoryRegion) -> Result<()> {
