@@ -172,8 +172,9 @@ impl QueuePair {
     }
 
     /// Its state and retry settings as the device reports them
-    /// (`ibv_query_qp`), e.g. `RTS, ack timeout 18, retries 7, RNR retries
-    /// 1`: for debugging a stalled connection.
+    /// (`ibv_query_qp`): `STATE, ack timeout T, retries R, RNR retries N`,
+    /// the state `RTS` on a working connection and `ERR` on a failed one;
+    /// for debugging a stalled connection.
     pub fn describe(&self) -> String {
         use ffi::ibv_qp_attr_mask as M;
         let mask = M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY;
