@@ -56,12 +56,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     // Each end holds a queue pair, a completion queue and its channel;
     // every end on the device shares one protection domain.
     assert_eq!(
-        [
-            queue_pairs(),
-            completion_queues(),
-            completion_channels(),
-            protection_domains()
-        ],
+        verbs_objects(),
         [2 * CONNECTIONS, 2 * CONNECTIONS, 2 * CONNECTIONS, 1],
         "queue pairs, completion queues, completion channels and protection domains held by \
          {CONNECTIONS} connections ({} ends) on one device",
@@ -125,20 +120,13 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         "{} MiB still pinned 30 s after closing every connection",
         (pinned_bytes() - before) >> 20
     );
-    let held = || {
-        [
-            queue_pairs(),
-            completion_queues(),
-            completion_channels(),
-            protection_domains(),
-        ]
-    };
-    let deallocated = support::eventually(Duration::from_secs(30), || held() == [0; 4]).await;
+    let deallocated =
+        support::eventually(Duration::from_secs(30), || verbs_objects() == [0; 4]).await;
     assert!(
         deallocated,
         "queue pairs, completion queues, completion channels and protection domains left 30 s \
          after closing every connection: {:?}",
-        held()
+        verbs_objects()
     );
     // And the server still takes new ones.
     let client = Client::new(Channel::connect(&server.address).await.unwrap());
@@ -914,6 +902,17 @@ async fn nothing_registered_by_earlier_tests() {
         "{} bytes still registered by earlier tests after 60 s",
         registered_bytes()
     );
+}
+
+/// Queue pairs, completion queues, completion channels and protection
+/// domains this process holds.
+fn verbs_objects() -> [usize; 4] {
+    [
+        queue_pairs(),
+        completion_queues(),
+        completion_channels(),
+        protection_domains(),
+    ]
 }
 
 /// Echoes `size` bytes on `client` (connection `i`) and checks the reply.

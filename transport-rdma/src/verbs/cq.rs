@@ -2,13 +2,12 @@
 
 use std::ffi::CStr;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use super::{errno_error, last_os_error, CmId, Error, Result, SharedCmId};
+use super::{errno_error, last_os_error, CmId, Error, LiveCount, Result, SharedCmId};
 
 /// An `ibv_cq` on the device of a [`CmId`], polled (no completion channel
 /// yet). Cloning shares the same CQ.
@@ -58,7 +57,7 @@ impl CompletionChannel {
         // SAFETY: `verbs` is the live context of the id's device.
         let raw = unsafe { ffi::ibv_create_comp_channel(verbs.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCompChannel(last_os_error()))?;
-        LIVE_CHANNELS.fetch_add(1, Ordering::Relaxed);
+        LIVE_CHANNELS.created();
         let channel = Self {
             inner: Arc::new(CompChannelInner {
                 raw,
@@ -113,17 +112,17 @@ impl Drop for CompChannelInner {
         // SAFETY: every CQ on this channel holds a clone, so none is left;
         // destroyed once.
         unsafe { ffi::ibv_destroy_comp_channel(self.raw.as_ptr()) };
-        LIVE_CHANNELS.fetch_sub(1, Ordering::Relaxed);
+        LIVE_CHANNELS.destroyed();
     }
 }
 
 /// Completion channels of this process not yet destroyed.
-static LIVE_CHANNELS: AtomicUsize = AtomicUsize::new(0);
+static LIVE_CHANNELS: LiveCount = LiveCount::new();
 
 /// How many completion channels (each a file descriptor) this process
 /// holds: one per connection end.
 pub fn completion_channels() -> usize {
-    LIVE_CHANNELS.load(Ordering::Relaxed)
+    LIVE_CHANNELS.get()
 }
 
 /// One work completion (the fields the layer uses so far).
@@ -227,45 +226,29 @@ impl CompletionQueue {
     /// Creates a completion queue of at least `depth` entries on the id's
     /// device (`ibv_create_cq`).
     pub fn new(id: &CmId, depth: u32) -> Result<Self> {
-        let verbs = id.verbs()?;
-        let cqe = libc::c_int::try_from(depth).unwrap_or(libc::c_int::MAX);
-        // SAFETY: `verbs` is the live context of the id's device; no
-        // user context and no completion channel.
-        let raw =
-            unsafe { ffi::ibv_create_cq(verbs.as_ptr(), cqe, ptr::null_mut(), ptr::null_mut(), 0) };
-        let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
-        LIVE_CQS.fetch_add(1, Ordering::Relaxed);
-        Ok(Self {
-            inner: Arc::new(CqInner {
-                raw,
-                _channel: None,
-                _id: id.share(),
-            }),
-        })
+        Self::create(id, depth, None)
     }
 
     /// Creates a completion queue of at least `depth` entries reporting to
     /// `channel` when armed ([`arm`](Self::arm)).
     pub fn with_channel(id: &CmId, depth: u32, channel: &CompletionChannel) -> Result<Self> {
+        Self::create(id, depth, Some(channel))
+    }
+
+    fn create(id: &CmId, depth: u32, channel: Option<&CompletionChannel>) -> Result<Self> {
         let verbs = id.verbs()?;
         let cqe = libc::c_int::try_from(depth).unwrap_or(libc::c_int::MAX);
+        let channel_raw = channel.map_or(ptr::null_mut(), |c| c.inner.raw.as_ptr());
         // SAFETY: `verbs` is the live context of the id's device, and the
-        // channel was made on the same device; no user context.
-        let raw = unsafe {
-            ffi::ibv_create_cq(
-                verbs.as_ptr(),
-                cqe,
-                ptr::null_mut(),
-                channel.inner.raw.as_ptr(),
-                0,
-            )
-        };
+        // channel, if any, was made on the same device; no user context.
+        let raw =
+            unsafe { ffi::ibv_create_cq(verbs.as_ptr(), cqe, ptr::null_mut(), channel_raw, 0) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::CreateCq(last_os_error()))?;
-        LIVE_CQS.fetch_add(1, Ordering::Relaxed);
+        LIVE_CQS.created();
         Ok(Self {
             inner: Arc::new(CqInner {
                 raw,
-                _channel: Some(channel.clone()),
+                _channel: channel.cloned(),
                 _id: id.share(),
             }),
         })
@@ -358,16 +341,16 @@ impl Drop for CqInner {
         // SAFETY: every QP using this CQ holds an `Arc` to it, so none is
         // left; the CQ is destroyed once.
         unsafe { ffi::ibv_destroy_cq(self.raw.as_ptr()) };
-        LIVE_CQS.fetch_sub(1, Ordering::Relaxed);
+        LIVE_CQS.destroyed();
     }
 }
 
 /// Completion queues of this process not yet destroyed.
-static LIVE_CQS: AtomicUsize = AtomicUsize::new(0);
+static LIVE_CQS: LiveCount = LiveCount::new();
 
 /// How many completion queues this process holds (one per connection end).
 pub fn completion_queues() -> usize {
-    LIVE_CQS.load(Ordering::Relaxed)
+    LIVE_CQS.get()
 }
 
 #[cfg(test)]

@@ -91,3 +91,26 @@ fn last_os_error() -> io::Error {
 fn errno_error(ret: i32) -> io::Error {
     io::Error::from_raw_os_error(ret.abs())
 }
+
+/// How many objects of one kind (protection domains, queue pairs, ...) the
+/// process holds: counted where they are created and destroyed, read by
+/// tests and metrics. One relaxed atomic.
+struct LiveCount(std::sync::atomic::AtomicUsize);
+
+impl LiveCount {
+    const fn new() -> LiveCount {
+        LiveCount(std::sync::atomic::AtomicUsize::new(0))
+    }
+
+    fn created(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn destroyed(&self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn get(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}

@@ -1,12 +1,11 @@
 //! Protection domain.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use rdma_sys as ffi;
 
-use super::{last_os_error, CmId, Error, Result, SharedCmId};
+use super::{last_os_error, CmId, Error, LiveCount, Result, SharedCmId};
 
 /// An `ibv_pd` on the device of a [`CmId`]: memory regions and queue pairs
 /// must share one to work together.
@@ -84,7 +83,7 @@ impl ProtectionDomain {
         // SAFETY: `verbs` is the live context of the id's device.
         let raw = unsafe { ffi::ibv_alloc_pd(verbs.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::AllocPd(last_os_error()))?;
-        LIVE.fetch_add(1, Ordering::Relaxed);
+        LIVE.created();
         Ok(Self {
             inner: Arc::new(PdInner {
                 raw,
@@ -96,13 +95,13 @@ impl ProtectionDomain {
 }
 
 /// Protection domains of this process not yet deallocated.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
+static LIVE: LiveCount = LiveCount::new();
 
 /// How many protection domains this process holds: one per device for
 /// connections that share theirs ([`ProtectionDomain::shared`]), plus one
 /// per connection that does not.
 pub fn protection_domains() -> usize {
-    LIVE.load(Ordering::Relaxed)
+    LIVE.get()
 }
 
 impl Drop for PdInner {
@@ -110,6 +109,6 @@ impl Drop for PdInner {
         // SAFETY: every MR and QP on this PD holds an `Arc` to it, so none is
         // left; the PD is deallocated once, before its context's id.
         unsafe { ffi::ibv_dealloc_pd(self.raw.as_ptr()) };
-        LIVE.fetch_sub(1, Ordering::Relaxed);
+        LIVE.destroyed();
     }
 }

@@ -3,7 +3,6 @@
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::ptr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
@@ -13,8 +12,8 @@ use super::mr::BindTarget;
 use super::pd::PdInner;
 use super::Result;
 use super::{
-    errno_error, last_os_error, Access, CmId, CompletionQueue, Error, MemoryRegion, MemoryWindow,
-    ProtectionDomain, RemoteRegion, SharedCmId,
+    errno_error, last_os_error, Access, CmId, CompletionQueue, Error, LiveCount, MemoryRegion,
+    MemoryWindow, ProtectionDomain, RemoteRegion, SharedCmId,
 };
 
 /// Queue sizes of a [`QueuePair`].
@@ -133,7 +132,7 @@ impl QueuePair {
         if unsafe { ffi::rdma_create_qp(id.as_ptr(), pd.inner.raw.as_ptr(), &mut attr) } != 0 {
             return Err(Error::CreateQp(last_os_error()));
         }
-        LIVE.fetch_add(1, Ordering::Relaxed);
+        LIVE.created();
         Ok(Self {
             id: id.share(),
             pd: Arc::clone(&pd.inner),
@@ -640,14 +639,14 @@ impl Drop for QueuePair {
         // SAFETY: the QP was created on this id in `new` and is destroyed
         // once; the id, PD and CQs it uses are still alive (we hold them).
         unsafe { ffi::rdma_destroy_qp(self.id.as_ptr()) };
-        LIVE.fetch_sub(1, Ordering::Relaxed);
+        LIVE.destroyed();
     }
 }
 
 /// Queue pairs of this process not yet destroyed.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
+static LIVE: LiveCount = LiveCount::new();
 
 /// How many queue pairs this process holds (one per connection end).
 pub fn queue_pairs() -> usize {
-    LIVE.load(Ordering::Relaxed)
+    LIVE.get()
 }
