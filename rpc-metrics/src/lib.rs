@@ -66,7 +66,7 @@
 //! | metric | type | what |
 //! |---|---|---|
 //! | `rpc_transport_rdma_pinned_bytes` | gauge | memory registered with the devices now (whole pages) |
-//! | `rpc_transport_rdma_verbs_objects` | gauge | verbs objects held now, by `kind`: `queue_pair`, `completion_queue` and `completion_channel` (one per connection end), `protection_domain` (one per device) |
+//! | `rpc_transport_rdma_verbs_objects` | gauge | verbs objects held now, by `kind`: `queue_pair`, `completion_queue` and `completion_channel` (one per connection end), `protection_domain` (one per device), `memory_registration` (a few per device for idle ends; more while traffic needs them) |
 //! | `rpc_transport_rdma_device_events_total` | counter | device async events read, by `device` and `event` (`port_err`, `port_active`, `qp_fatal`, `device_fatal`, …) |
 //! | `rpc_transport_rdma_connections_refused_total` | counter | connect requests the process's listeners refused, by `reason` |
 //! | `rpc_transport_rdma_rendezvous_sent_bytes_total` | counter | bytes of rendezvous frames sent, by `how`: `in_place` (the peer read them where the application left them), `payload_buffer` (out of a payload buffer) or `copied` (into registered memory first) |

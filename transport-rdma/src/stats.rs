@@ -82,6 +82,7 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
         ("completion_queue", verbs::completion_queues()),
         ("completion_channel", verbs::completion_channels()),
         ("protection_domain", verbs::protection_domains()),
+        ("memory_registration", verbs::memory_registrations()),
     ]));
     let (in_place, copied) = crate::rendezvous_bytes_sent();
     let from_pool = crate::rendezvous_bytes_sent_from_pool();
@@ -91,14 +92,16 @@ pub(crate) fn transport_stats() -> Vec<TransportStat> {
 
 /// The verbs objects this process holds now, by kind: each connection end
 /// holds a queue pair, a completion queue and its completion channel, and
-/// shares its device's protection domain.
+/// shares its device's protection domain and the registrations its ring's
+/// first slots lie in.
 fn object_stats<const N: usize>(held: [(&str, usize); N]) -> [TransportStat; N] {
     held.map(|(kind, count)| {
         TransportStat::gauge(
             "rdma_verbs_objects",
             "Verbs objects held now, by kind (queue pairs, completion queues and completion \
              channels: one per connection end; protection domains: one per device unless \
-             connections were told not to share)",
+             connections were told not to share; memory registrations: a few per device for \
+             idle ends, more as traffic needs them)",
             count as u64,
         )
         .with_label("kind", kind.to_string())
@@ -217,7 +220,8 @@ mod tests {
                 "queue_pair",
                 "completion_queue",
                 "completion_channel",
-                "protection_domain"
+                "protection_domain",
+                "memory_registration"
             ]
         );
     }

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use support::TestServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_rdma::verbs::{
-    completion_channels, completion_queues, protection_domains, queue_pairs, registered_bytes,
+    completion_channels, completion_queues, memory_registrations, protection_domains, queue_pairs,
+    registered_bytes,
 };
 use transport_rdma::{RdmaStream, RdmaTransport};
 
@@ -39,6 +40,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     let server = TestServer::start(&env.local_listen(), |b| b).await;
     let before = pinned_bytes();
     let fds_before = open_fds();
+    let registered_before = registered_bytes();
 
     let mut channels = Vec::with_capacity(CONNECTIONS);
     for i in 0..CONNECTIONS {
@@ -54,13 +56,39 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     // channel. (Before the watcher read them, each end had its own event
     // channel: 4 a connection.)
     // Each end holds a queue pair, a completion queue and its channel;
-    // every end on the device shares one protection domain.
+    // every end on the device shares one protection domain, and the
+    // registrations its ring's first slots lie in: chunks of 1, 1, 2, 4,
+    // 8 and 16 pieces, then 16 each, 17 for 200 ends (208 pieces).
     assert_eq!(
         verbs_objects(),
-        [2 * CONNECTIONS, 2 * CONNECTIONS, 2 * CONNECTIONS, 1],
-        "queue pairs, completion queues, completion channels and protection domains held by \
-         {CONNECTIONS} connections ({} ends) on one device",
+        [2 * CONNECTIONS, 2 * CONNECTIONS, 2 * CONNECTIONS, 1, 17],
+        "queue pairs, completion queues, completion channels, protection domains and memory \
+         registrations held by {CONNECTIONS} connections ({} ends) on one device",
         2 * CONNECTIONS
+    );
+    assert_eq!(
+        registered_bytes() - registered_before,
+        208 * IDLE_PER_END,
+        "200 ends' first ring slots in pieces of 17 registrations"
+    );
+    // A closed connection's pieces go to the next one: no registration
+    // more (and the calls below check that no two ends share a piece).
+    drop(channels.swap_remove(CONNECTIONS / 2));
+    let closed = support::eventually(Duration::from_secs(30), || {
+        queue_pairs() == 2 * CONNECTIONS - 2
+    })
+    .await;
+    assert!(closed, "one connection closed: {:?}", verbs_objects());
+    assert_eq!(
+        memory_registrations(),
+        17,
+        "pieces given back, no chunk emptied"
+    );
+    channels.push(Channel::connect(&server.address).await.unwrap());
+    assert_eq!(
+        verbs_objects(),
+        [2 * CONNECTIONS, 2 * CONNECTIONS, 2 * CONNECTIONS, 1, 17],
+        "a new connection in the closed one's pieces"
     );
     let fds = open_fds() - fds_before;
     let fds_budget = 2 * CONNECTIONS + 16;
@@ -121,11 +149,11 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         (pinned_bytes() - before) >> 20
     );
     let deallocated =
-        support::eventually(Duration::from_secs(30), || verbs_objects() == [0; 4]).await;
+        support::eventually(Duration::from_secs(30), || verbs_objects() == [0; 5]).await;
     assert!(
         deallocated,
-        "queue pairs, completion queues, completion channels and protection domains left 30 s \
-         after closing every connection: {:?}",
+        "queue pairs, completion queues, completion channels, protection domains and memory \
+         registrations left 30 s after closing every connection: {:?}",
         verbs_objects()
     );
     // And the server still takes new ones.
@@ -621,6 +649,15 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
         .await;
     let setup_time = setup.elapsed();
     let open = Snapshot::take();
+    // Each end's first ring slots are a piece of a registration its
+    // device's ends share (chunks of up to 16 pieces).
+    let (ends_here, registrations) = (queue_pairs(), memory_registrations());
+    println!("{ends_here} connection ends here, in {registrations} memory registrations");
+    assert!(
+        registrations * 8 <= ends_here,
+        "{registrations} memory registrations for {ends_here} connection ends here: the first ring \
+         slots are not shared"
+    );
 
     // Every connection calls at once: inline, region, region in chunks.
     probe.next_phase();
@@ -904,14 +941,15 @@ async fn nothing_registered_by_earlier_tests() {
     );
 }
 
-/// Queue pairs, completion queues, completion channels and protection
-/// domains this process holds.
-fn verbs_objects() -> [usize; 4] {
+/// Queue pairs, completion queues, completion channels, protection
+/// domains and memory registrations this process holds.
+fn verbs_objects() -> [usize; 5] {
     [
         queue_pairs(),
         completion_queues(),
         completion_channels(),
         protection_domains(),
+        memory_registrations(),
     ]
 }
 

@@ -18,8 +18,10 @@
 //! device's connections share, or its own: [`crate::verbs::ProtectionDomain::shared`]):
 //! - `ring`: the receive ring, `ring_slots × slot_size`, local write only,
 //!   every slot in use posted unless its message is being handled or
-//!   held; its first slots registered at set-up, then doubled each time
-//!   the peer keeps half of those consumed ([`slots`]);
+//!   held; its first slots a piece of a registration shared with the
+//!   other connections on the protection domain ([`first_slots`]), then
+//!   doubled each time the peer keeps half of those consumed, each
+//!   doubling a registration of its own ([`slots`]);
 //! - `region`: the large-payload region the peer RDMA-writes into (the
 //!   only remotely writable memory: through a memory window bound to the
 //!   connection's queue pair on a shared domain, else by the registration
@@ -45,6 +47,7 @@
 
 mod cm_events;
 mod driver;
+mod first_slots;
 mod io;
 mod payloads;
 mod setup;

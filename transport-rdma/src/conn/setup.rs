@@ -26,9 +26,10 @@ use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
 use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
+use super::first_slots::FirstSlots;
 use super::io_error;
 use super::payloads::PayloadPool;
-use super::slots::SlotMemory;
+use super::slots::{PartMemory, SlotMemory};
 use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
 use crate::proto::auth::{self, Challenge, Proven};
@@ -134,10 +135,11 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
         },
     )?;
     let own = cfg.hello();
-    // The first slots now, doublings as the peer's traffic needs them.
+    // The first slots now, in a registration shared with the device's
+    // other connections; doublings as the peer's traffic needs them.
     let slot = own.slot_size as usize;
     let ring = SlotMemory::new(
-        MemoryRegion::new(&pd, own.initial_slots as usize * slot, Access::LOCAL_WRITE)?,
+        PartMemory::Shared(FirstSlots::take(&pd, own.initial_slots as usize * slot)?),
         own.initial_slots,
         own.ring_slots,
         slot,
@@ -194,8 +196,10 @@ fn finish(
     // Each part is registered with the first SEND from it too long to go
     // inline.
     let slot = peer.slot_size as usize;
-    let part =
-        |n: u32| MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
+    let part = |n: u32| {
+        let mr = MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
+        PartMemory::Own(mr)
+    };
     let mut data = FIRST_DATA_SLOTS.min(peer.ring_slots);
     let send = SlotMemory::new(
         part(data + CTRL_SLOTS + HEAP_SLOTS),

@@ -1,6 +1,7 @@
 //! Fixed-size slots in a few registrations (parts), so that a connection
 //! pins later parts only once its traffic needs them: the receive ring
-//! (its first slots registered at set-up, each doubling allocated and
+//! (its first slots a piece of a registration the connections on its
+//! protection domain share, [`FirstSlots`], each doubling allocated and
 //! registered when the protocol grows the ring,
 //! [`Transmit::RegisterRing`](crate::proto::Transmit::RegisterRing), and
 //! deregistered when it shrinks back,
@@ -12,6 +13,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use super::first_slots::FirstSlots;
 use crate::verbs::{Access, MemoryRegion, ProtectionDomain};
 
 /// Most parts: the first, then doublings to the largest ring (4 slots
@@ -32,7 +34,36 @@ pub(super) struct SlotMemory {
 struct Part {
     first: u32,
     count: u32,
-    mr: MemoryRegion,
+    memory: PartMemory,
+}
+
+/// Where a part's slots lie.
+pub(super) enum PartMemory {
+    /// A registration of its own, registered and deregistered as the
+    /// connection's traffic needs it.
+    Own(MemoryRegion),
+    /// A piece of a registration shared with other connections, which
+    /// stays registered while the piece is held.
+    Shared(FirstSlots),
+}
+
+impl Part {
+    /// The registration the part lies in, and where in it the part starts.
+    fn region(&self) -> (&MemoryRegion, usize) {
+        match &self.memory {
+            PartMemory::Own(mr) => (mr, 0),
+            PartMemory::Shared(piece) => piece.region(),
+        }
+    }
+
+    /// Its registration if it is its own: what registering and
+    /// deregistering a part apply to.
+    fn own(&self) -> Option<&MemoryRegion> {
+        match &self.memory {
+            PartMemory::Own(mr) => Some(mr),
+            PartMemory::Shared(_) => None,
+        }
+    }
 }
 
 impl SlotMemory {
@@ -40,7 +71,7 @@ impl SlotMemory {
     /// `first`; the others come with [`add`](Self::add) or
     /// [`register`](Self::register).
     pub(super) fn new(
-        first: MemoryRegion,
+        first: PartMemory,
         first_slots: u32,
         slots: u32,
         slot_size: usize,
@@ -54,9 +85,9 @@ impl SlotMemory {
         memory
     }
 
-    /// Adds the next `count` slots, in `mr`. Panics past the slots or the
-    /// parts there are room for, or if `mr` is too short.
-    pub(super) fn add(&self, count: u32, mr: MemoryRegion) {
+    /// Adds the next `count` slots, in `memory`. Panics past the slots or
+    /// the parts there are room for, or if `memory` is too short.
+    pub(super) fn add(&self, count: u32, memory: PartMemory) {
         let next = self.parts.iter().position(|p| p.get().is_none());
         let first = self.end();
         assert!(
@@ -64,11 +95,16 @@ impl SlotMemory {
             "slots past the {} there are",
             self.slots
         );
-        assert!(
-            mr.len() >= count as usize * self.slot_size,
-            "a part too short"
-        );
-        let part = Part { first, count, mr };
+        let len = match &memory {
+            PartMemory::Own(mr) => mr.len(),
+            PartMemory::Shared(piece) => piece.len(),
+        };
+        assert!(len >= count as usize * self.slot_size, "a part too short");
+        let part = Part {
+            first,
+            count,
+            memory,
+        };
         // Only the connection's state, under its lock, adds parts: never
         // two at once.
         let _ = self.parts[next.expect("room for another part")].set(part);
@@ -91,47 +127,45 @@ impl SlotMemory {
                 .find(|p| p.first == from)
                 .expect("a ring grows by whole parts");
             assert_eq!(part.first + part.count, to, "a ring grows by whole parts");
-            return part.mr.register();
+            let mr = part
+                .own()
+                .expect("a ring grows past its shared first slots");
+            return mr.register();
         }
         assert_eq!(from, self.end(), "parts follow each other");
         let count = to - from;
         let mr = MemoryRegion::new(pd, count as usize * self.slot_size, Access::LOCAL_WRITE)?;
-        self.add(count, mr);
+        self.add(count, PartMemory::Own(mr));
         Ok(())
     }
 
-    /// Deregisters every part (their bytes stay; `MemoryRegion::register`
-    /// registers one again); returns the bytes let go. Stops at the first
-    /// part the device refuses to deregister (it stays registered).
+    /// Deregisters every part of its own (their bytes stay;
+    /// `MemoryRegion::register` registers one again); returns the bytes
+    /// let go. Stops at the first part the device refuses to deregister
+    /// (it stays registered).
     ///
     /// # Safety
     /// As [`MemoryRegion::deregister`], for every part.
     pub(super) unsafe fn deregister(&self) -> Result<usize, crate::verbs::Error> {
-        let mut released = 0;
-        for part in self.parts.iter().map_while(OnceLock::get) {
-            if part.mr.is_registered() {
-                // SAFETY: as the caller guarantees.
-                unsafe { part.mr.deregister()? };
-                released += part.mr.len();
-            }
-        }
-        Ok(released)
+        // SAFETY: as the caller guarantees.
+        unsafe { self.deregister_from(0) }
     }
 
-    /// Deregisters the parts of slots `from..` (their bytes stay);
-    /// returns the bytes let go. Stops at the first part the device
-    /// refuses to deregister (it stays registered).
+    /// Deregisters the parts of its own of slots `from..` (their bytes
+    /// stay); returns the bytes let go. Stops at the first part the
+    /// device refuses to deregister (it stays registered).
     ///
     /// # Safety
     /// As [`MemoryRegion::deregister`], for every part from `from` on: no
     /// receive posted in their slots.
     pub(super) unsafe fn deregister_from(&self, from: u32) -> Result<usize, crate::verbs::Error> {
         let mut released = 0;
-        for part in self.parts.iter().map_while(OnceLock::get) {
-            if part.first >= from && part.mr.is_registered() {
+        let parts = self.parts.iter().map_while(OnceLock::get);
+        for mr in parts.filter(|p| p.first >= from).filter_map(Part::own) {
+            if mr.is_registered() {
                 // SAFETY: as the caller guarantees.
-                unsafe { part.mr.deregister()? };
-                released += part.mr.len();
+                unsafe { mr.deregister()? };
+                released += mr.len();
             }
         }
         Ok(released)
@@ -165,8 +199,9 @@ impl SlotMemory {
             .map_while(OnceLock::get)
             .find(|p| slot < p.first + p.count)
             .expect("a slot is used only once its part exists");
-        let start = (slot - part.first) as usize * self.slot_size;
-        (&part.mr, start..start + self.slot_size)
+        let (mr, part_start) = part.region();
+        let start = part_start + (slot - part.first) as usize * self.slot_size;
+        (mr, start..start + self.slot_size)
     }
 
     /// Bytes `within` of `slot`, in their memory. Panics past the slot.

@@ -63,7 +63,9 @@ pub use cq::{
 };
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
-pub use mr::{registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion};
+pub use mr::{
+    memory_registrations, registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion,
+};
 pub use mw::MemoryWindow;
 pub use pd::{protection_domains, ProtectionDomain};
 pub use qp::{queue_pairs, QpCapabilities, QueuePair, SendBatch, SendPoster};

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use rdma_sys as ffi;
 
 use super::pd::PdInner;
-use super::{last_os_error, Error, ProtectionDomain, Result};
+use super::{last_os_error, Error, LiveCount, ProtectionDomain, Result};
 
 /// Access rights of a [`MemoryRegion`] (`ibv_access_flags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,7 +199,7 @@ impl MemoryRegion {
         let (raw, iova) = unsafe { register(&pd, self.buf.as_ptr(), self.len, self.access)? };
         // Counted from here, so that `deregister` and `Drop` (which
         // subtract) pair with it.
-        pinned(self.len);
+        counted_registration(Self::layout(self.len).size() as u64);
         // SAFETY: no reference into the cell lives across this call: the
         // methods that read it copy what they need, and the value is not
         // `Sync` (see the field's docs for who shares it anyway).
@@ -229,7 +229,7 @@ impl MemoryRegion {
                 source: super::errno_error(ret),
             });
         }
-        REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
+        counted_deregistration(Self::layout(self.len).size() as u64);
         // SAFETY: as the caller guarantees, nothing else reads the cell;
         // `registration` (a copy's source) is not used after this.
         unsafe { *self.registration.get() = None };
@@ -459,7 +459,7 @@ impl Drop for MemoryRegion {
                 return;
             }
             // Still counted above when leaked: its pages stay pinned.
-            REGISTERED.fetch_sub(Self::layout(self.len).size() as u64, Ordering::Relaxed);
+            counted_deregistration(Self::layout(self.len).size() as u64);
         }
         // SAFETY: `buf` was allocated in `new` with this layout and is no
         // longer registered (ibv_dereg_mr succeeded just above).
@@ -568,7 +568,7 @@ impl RegisteredBytes {
         // unchanged while the value holds it, which it does until after
         // deregistering (Drop). The device only reads it (no LOCAL_WRITE).
         let (raw, iova) = unsafe { register(pd, bytes.as_ptr().cast_mut(), bytes.len(), access)? };
-        REGISTERED.fetch_add(pages_spanned(&bytes), Ordering::Relaxed);
+        counted_registration(pages_spanned(&bytes));
         Ok(RegisteredBytes {
             raw,
             bytes,
@@ -627,7 +627,7 @@ impl Drop for RegisteredBytes {
             std::mem::forget(std::mem::take(&mut self.bytes));
             return;
         }
-        REGISTERED.fetch_sub(pages_spanned(&self.bytes), Ordering::Relaxed);
+        counted_deregistration(pages_spanned(&self.bytes));
     }
 }
 
@@ -641,22 +641,41 @@ fn pages_spanned(bytes: &[u8]) -> u64 {
 /// Registration pins whole pages of this size.
 const PAGE: usize = 4096;
 
-/// Bytes registered by the [`MemoryRegion`]s of this process now.
+/// Bytes registered by the [`MemoryRegion`]s and [`RegisteredBytes`] of
+/// this process now.
 static REGISTERED: AtomicU64 = AtomicU64::new(0);
 
-/// Counts a `len`-byte region just registered (whole pages); returns `len`.
-fn pinned(len: usize) -> usize {
-    REGISTERED.fetch_add(MemoryRegion::layout(len).size() as u64, Ordering::Relaxed);
-    len
+/// Their registrations (MRs).
+static REGISTRATIONS: LiveCount = LiveCount::new();
+
+/// Counts a registration just made that pins `pinned` bytes (whole pages).
+fn counted_registration(pinned: u64) {
+    REGISTERED.fetch_add(pinned, Ordering::Relaxed);
+    REGISTRATIONS.created();
+}
+
+/// Counts a registration of `pinned` bytes just deregistered. A
+/// registration whose deregistration failed stays counted: its pages
+/// stay pinned.
+fn counted_deregistration(pinned: u64) {
+    REGISTERED.fetch_sub(pinned, Ordering::Relaxed);
+    REGISTRATIONS.destroyed();
 }
 
 /// Bytes of memory this process has registered (pinned) through
-/// [`MemoryRegion`]s and not yet deregistered, counting whole pages (what
-/// registration pins); a region whose deregistration failed stays counted,
-/// as its pages stay pinned. One relaxed atomic, updated as regions are
-/// registered and dropped: for metrics.
+/// [`MemoryRegion`]s and [`RegisteredBytes`] and not yet deregistered,
+/// counting whole pages (what registration pins); a region whose
+/// deregistration failed stays counted, as its pages stay pinned. One
+/// relaxed atomic, updated as regions are registered and dropped: for
+/// metrics.
 pub fn registered_bytes() -> u64 {
     REGISTERED.load(Ordering::Relaxed)
+}
+
+/// How many memory registrations (`ibv_mr`s) this process holds, counted
+/// as [`registered_bytes`] counts their bytes.
+pub fn memory_registrations() -> usize {
+    REGISTRATIONS.get()
 }
 
 #[cfg(test)]
@@ -665,10 +684,15 @@ mod tests {
 
     #[test]
     fn registered_bytes_count_whole_pages() {
-        let before = registered_bytes();
-        assert_eq!(pinned(1), 1);
-        assert_eq!(pinned(4097), 4097);
-        assert_eq!(registered_bytes() - before, 4096 + 8192);
-        REGISTERED.fetch_sub(4096 + 8192, Ordering::Relaxed);
+        assert_eq!(MemoryRegion::layout(1).size(), 4096);
+        assert_eq!(MemoryRegion::layout(4097).size(), 8192);
+        #[repr(align(4096))]
+        struct Pages([u8; 3 * PAGE]);
+        let pages = Pages([0; 3 * PAGE]);
+        let page = PAGE as u64;
+        assert_eq!(pages_spanned(&pages.0[..1]), page);
+        assert_eq!(pages_spanned(&pages.0[..PAGE]), page);
+        assert_eq!(pages_spanned(&pages.0[1..PAGE + 1]), 2 * page);
+        assert_eq!(pages_spanned(&pages.0[PAGE - 1..PAGE + 1]), 2 * page);
     }
 }
