@@ -41,6 +41,7 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
     let before = pinned_bytes();
     let fds_before = open_fds();
     let registered_before = registered_bytes();
+    let snapshot_before = Snapshot::take();
 
     let mut channels = Vec::with_capacity(CONNECTIONS);
     for i in 0..CONNECTIONS {
@@ -89,6 +90,10 @@ async fn hundreds_of_connection_ends_carry_calls_within_their_memory_budget() {
         verbs_objects(),
         [2 * CONNECTIONS, 2 * CONNECTIONS, 2 * CONNECTIONS, 1, 17],
         "a new connection in the closed one's pieces"
+    );
+    println!(
+        "{CONNECTIONS} connections at the default geometry, each while idle: {}",
+        Snapshot::take().per_connection(&snapshot_before, CONNECTIONS)
     );
     let fds = open_fds() - fds_before;
     let fds_budget = 2 * CONNECTIONS + 16;
@@ -700,7 +705,7 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     );
     println!(
         "per connection while open: {}",
-        open.per_connection(&before)
+        open.per_connection(&before, SCALE_CONNECTIONS)
     );
     println!(
         "set-up: {}; calls: {}",
@@ -746,7 +751,7 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     let trimmed = Snapshot::take();
     println!(
         "after malloc_trim, over the baseline: {}",
-        trimmed.per_connection(&before)
+        trimmed.per_connection(&before, SCALE_CONNECTIONS)
     );
     // The kernel's share (QPs, CQs, cm_ids, their queues) comes back too:
     // 150 KiB per connection while open, ~5 KiB (slab caches) after.
@@ -769,7 +774,7 @@ async fn two_thousand_connections_carry_calls_and_give_back_memory_and_fds() {
     let probe = probe.stop().await;
     println!(
         "closed in {close_time:.1?}; left over the baseline: {}; probe: {probe}; total {:.1?}",
-        closed.per_connection(&before),
+        closed.per_connection(&before, SCALE_CONNECTIONS),
         started.elapsed(),
     );
     // And the server still takes new connections.
@@ -826,8 +831,9 @@ impl Snapshot {
     }
 
     /// What each of the connections adds to `base`, as a line.
-    fn per_connection(&self, base: &Snapshot) -> String {
-        let n = SCALE_CONNECTIONS as f64;
+    /// What `connections` connections took since `base`, each.
+    fn per_connection(&self, base: &Snapshot, connections: usize) -> String {
+        let n = connections as f64;
         let kib = |now: u64, then: u64| (now as f64 - then as f64) / n / 1024.0;
         format!(
             "{:.2} fds, {:.1} KiB registered ({:.1} KiB VmPin), {:.1} KiB of the machine's memory \
