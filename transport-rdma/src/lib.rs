@@ -298,13 +298,13 @@ pub const MEASURED_RENDEZVOUS_THRESHOLD: usize = 128 << 10;
 /// not move 25 MB in 36 s; with 64 KiB READs they move at 2-7 MB/s (still
 /// a fifth of the same tensors through the region, 7-21 MB/s: rendezvous
 /// stays off by default).
+const RENDEZVOUS_READ_CHUNK: usize = 64 << 10;
 /// Receive slots a connection posts at first (64 KiB at the default 8 KiB
 /// slot): enough for calls one at a time and a few in flight. The ring
 /// doubles (registered, posted, and given to the peer as credits: one
 /// round trip) each time the peer keeps half of its slots in use consumed,
 /// up to [`RdmaTransport::ring`]'s slots.
 const INITIAL_RING_SLOTS: u32 = 8;
-const RENDEZVOUS_READ_CHUNK: usize = 64 << 10;
 /// RDMA READs in flight per connection (the connection manager's
 /// initiator depth is as deep).
 const RENDEZVOUS_READ_DEPTH: u32 = verbs::READ_DEPTH;

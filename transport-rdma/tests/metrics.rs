@@ -92,6 +92,25 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
     // reports it.
     let dump = transport_rdma::debug_dump();
     assert_eq!(dump.matches("| QP RTS, ack timeout ").count(), 2, "{dump}");
+    // Each end's send queue is as deep as the peer's ring needs (2 × (its
+    // slots + 4 heap slots) + 4 control, 16 reads, 2 binds and 4 more):
+    // the client's for the largest ring it accepts from a server (256
+    // slots by default, 546: it creates its queue pair before it learns
+    // the server's), the server's for the client's own (64 slots, 162).
+    // The device may round them up (Soft-RoCE: 1,023 and 255).
+    let send_queue = |client_end: bool| {
+        let line = dump
+            .lines()
+            .find(|l| l.starts_with(server.address.as_str()) == client_end)
+            .unwrap_or_else(|| panic!("both ends in the dump: {dump}"));
+        let depth = line.rsplit("send queue ").next().unwrap_or_default();
+        depth
+            .parse::<u32>()
+            .unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    let (client_end, server_end) = (send_queue(true), send_queue(false));
+    assert!(client_end >= 546, "{dump}");
+    assert!((162..546).contains(&server_end), "{dump}");
     let server_side = support::eventually(Duration::from_secs(10), || {
         connections(Side::Server).open() == 1
     })

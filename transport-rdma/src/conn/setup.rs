@@ -93,7 +93,18 @@ struct Half {
 /// pinned). On Soft-RoCE itself it changed no latency measurably.
 const INLINE_SEND_BYTES: u32 = 256;
 
-fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::Error> {
+/// The device objects of one end, its send queue deep enough for a peer
+/// ring of `peer_ring_slots`: the most the client accepts
+/// ([`RdmaTransport::max_peer`]; it learns the server's ring only from
+/// the reply, after its queue pair exists), the client's own on the
+/// server, whose request named it. A server end of a client with the
+/// default 64 slots so has a queue 162 deep instead of 546, and a
+/// completion queue to match.
+fn make_half(
+    id: &mut CmId,
+    cfg: &RdmaTransport,
+    peer_ring_slots: u32,
+) -> Result<Half, crate::verbs::Error> {
     let shared = if cfg.shared_protection_domain {
         ProtectionDomain::shared(id)?
     } else {
@@ -117,11 +128,8 @@ fn make_half(id: &mut CmId, cfg: &RdmaTransport) -> Result<Half, crate::verbs::E
     // a grant that follows a release at once).
     let region_binds = if pd.is_shared() { 2 } else { 0 };
     let binds = transfer_binds + region_binds;
-    let max_send_wr = 2 * (cfg.max_peer_ring_slots + HEAP_SLOTS)
-        + CTRL_SLOTS
-        + crate::verbs::READ_DEPTH
-        + binds
-        + 4;
+    let max_send_wr =
+        2 * (peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + binds + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,
@@ -238,7 +246,7 @@ pub(crate) async fn connect(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let half = make_half(&mut id, cfg).map_err(e)?;
+    let half = make_half(&mut id, cfg, cfg.max_peer_ring_slots).map_err(e)?;
     // The challenge request names this connection's queue pair: unique
     // among this host's connections, and not connected until the
     // challenge was answered.
@@ -396,7 +404,7 @@ pub(crate) async fn accept(
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
-    let half = make_half(&mut id, cfg).map_err(e)?;
+    let half = make_half(&mut id, cfg, peer.ring_slots).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {

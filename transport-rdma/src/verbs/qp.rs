@@ -170,13 +170,18 @@ impl QueuePair {
         Ok(self.query(ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT)?.timeout)
     }
 
-    /// Its state and retry settings as the device reports them
-    /// (`ibv_query_qp`): `STATE, ack timeout T, retries R, RNR retries N`,
-    /// the state `RTS` on a working connection and `ERR` on a failed one;
-    /// for debugging a stalled connection.
+    /// Its state, retry settings and send queue depth as the device
+    /// reports them (`ibv_query_qp`): `STATE, ack timeout T, retries R,
+    /// RNR retries N, send queue D`, the state `RTS` on a working
+    /// connection and `ERR` on a failed one; for debugging a stalled
+    /// connection.
     pub fn describe(&self) -> String {
         use ffi::ibv_qp_attr_mask as M;
-        let mask = M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY;
+        let mask = M::IBV_QP_STATE
+            | M::IBV_QP_TIMEOUT
+            | M::IBV_QP_RETRY_CNT
+            | M::IBV_QP_RNR_RETRY
+            | M::IBV_QP_CAP;
         match self.query(mask) {
             Ok(attr) => {
                 let state = ["RESET", "INIT", "RTR", "RTS", "SQD", "SQE", "ERR"]
@@ -184,8 +189,8 @@ impl QueuePair {
                     .copied()
                     .unwrap_or("UNKNOWN");
                 format!(
-                    "{state}, ack timeout {}, retries {}, RNR retries {}",
-                    attr.timeout, attr.retry_cnt, attr.rnr_retry
+                    "{state}, ack timeout {}, retries {}, RNR retries {}, send queue {}",
+                    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.cap.max_send_wr
                 )
             }
             Err(e) => e.to_string(),
