@@ -166,14 +166,29 @@ impl MemoryRegion {
         Ok(region)
     }
 
-    /// Allocates `len` zeroed bytes on pages of their own, to be
-    /// registered on `pd` with `access` by [`register`](Self::register)
-    /// when first needed. Pins nothing until then.
+    /// Maps `len` zeroed bytes on pages of their own, to be registered on
+    /// `pd` with `access` by [`register`](Self::register) when first
+    /// needed. Pins nothing until then, and takes no memory until touched:
+    /// an anonymous mapping, whose pages the kernel provides (zeroed) as
+    /// they are first written or registered, so slots allocated ahead of
+    /// their use (a connection's send slots) cost nothing while unused.
     pub fn unregistered(pd: &ProtectionDomain, len: usize, access: Access) -> Self {
         let len = len.max(1);
         let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size.
-        let buf = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+        // SAFETY: a new anonymous private mapping, placed by the kernel:
+        // no memory of this process is affected.
+        let mapped = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                layout.size(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        let buf = NonNull::new(mapped.cast::<u8>())
+            .filter(|_| mapped != libc::MAP_FAILED)
             .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         Self {
             registration: UnsafeCell::new(None),
@@ -194,6 +209,12 @@ impl MemoryRegion {
         let pd = ProtectionDomain {
             inner: Arc::clone(&self.pd),
         };
+        if self.access.0 & (Access::LOCAL_WRITE.0 | Access::MW_BIND.0) == 0 {
+            // Pinned for reading only, a page never touched would be the
+            // kernel's shared zero page, which a later write by this
+            // process replaces in its mapping but not in the device's.
+            self.touch_pages();
+        }
         // SAFETY: `buf..buf+len` is memory this value owns and frees only
         // after deregistering it (Drop).
         let (raw, iova) = unsafe { register(&pd, self.buf.as_ptr(), self.len, self.access)? };
@@ -248,7 +269,21 @@ impl MemoryRegion {
         self.registration().is_some()
     }
 
-    /// The allocation of a `len`-byte buffer: whole pages.
+    /// Writes one byte of each page back as it is, so that every page is
+    /// this process's own. Only while unregistered: nothing else writes
+    /// the buffer then, and the value is not `Sync`.
+    fn touch_pages(&self) {
+        for offset in (0..self.len).step_by(PAGE) {
+            // SAFETY: inside the mapping this value owns; a volatile read
+            // and write of the same byte changes nothing it holds.
+            unsafe {
+                let byte = self.buf.as_ptr().add(offset);
+                byte.write_volatile(byte.read_volatile());
+            }
+        }
+    }
+
+    /// The mapping of a `len`-byte buffer: whole pages.
     fn layout(len: usize) -> std::alloc::Layout {
         std::alloc::Layout::from_size_align(len.next_multiple_of(PAGE), PAGE)
             .expect("a memory region's size fits the address space")
@@ -461,9 +496,13 @@ impl Drop for MemoryRegion {
             // Still counted above when leaked: its pages stay pinned.
             counted_deregistration(Self::layout(self.len).size() as u64);
         }
-        // SAFETY: `buf` was allocated in `new` with this layout and is no
-        // longer registered (ibv_dereg_mr succeeded just above).
-        unsafe { std::alloc::dealloc(self.buf.as_ptr(), Self::layout(self.len)) };
+        // SAFETY: `buf` was mapped in `unregistered` with this size and is
+        // no longer registered (ibv_dereg_mr succeeded just above); no
+        // reference into it outlives this value.
+        let ret = unsafe { libc::munmap(self.buf.as_ptr().cast(), Self::layout(self.len).size()) };
+        if ret != 0 {
+            tracing::error!(len = self.len, error = %last_os_error(), "munmap of a region's buffer failed");
+        }
     }
 }
 
