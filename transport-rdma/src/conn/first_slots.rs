@@ -10,8 +10,12 @@
 //! receive is posted into it). A chunk is made when every piece of the
 //! others is taken, as large as they are together (1, 1, 2, 4, … pieces,
 //! up to `MAX_PIECES`), so what is registered stays under twice the most
-//! pieces ever taken at once; a chunk is deregistered when its last piece
-//! comes back. One end alone registers exactly its piece, as before.
+//! pieces ever taken at once (two set-ups at once may each make a chunk);
+//! a chunk is deregistered when its last piece comes back. One end alone
+//! registers exactly its piece, as before. Admission
+//! ([`RdmaTransport::max_pinned_bytes`](crate::RdmaTransport::max_pinned_bytes))
+//! counts each end's piece; the free pieces of chunks still in use are
+//! not counted against it.
 //!
 //! Receives need only local write: no peer can reach a chunk, so sharing
 //! one registration between connections hands no peer anything (the
