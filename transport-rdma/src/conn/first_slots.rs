@@ -24,7 +24,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::verbs::{Access, MemoryRegion, ProtectionDomain};
+use crate::verbs::{Access, MemoryRegion, ProtectionDomain, PAGE};
 
 /// Most pieces in one chunk (1 MiB of the default 64 KiB pieces).
 const MAX_PIECES: u32 = 16;
@@ -74,7 +74,8 @@ fn next_chunk_pieces(capacity: u32) -> u32 {
 pub(super) struct FirstSlots {
     chunk: Arc<Chunk>,
     index: u32,
-    /// Where the piece starts in the chunk.
+    /// Where the piece starts in the chunk (`index` × the pieces'
+    /// length, kept: every slot lookup on the call path reads it).
     offset: usize,
     len: usize,
 }
@@ -90,7 +91,7 @@ impl FirstSlots {
     ) -> Result<FirstSlots, crate::verbs::Error> {
         // Pieces start on pages of their own, as a registration of its own
         // would: no piece shares a page with another connection's.
-        let piece_len = len.next_multiple_of(4096);
+        let piece_len = len.next_multiple_of(PAGE);
         let key = Arc::as_ptr(&pd.inner) as usize;
         let pieces = {
             let mut pool = pool();

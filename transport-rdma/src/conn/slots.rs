@@ -47,10 +47,10 @@ pub(super) enum PartMemory {
     Shared(FirstSlots),
 }
 
-impl Part {
+impl PartMemory {
     /// The registration the part lies in, and where in it the part starts.
     fn region(&self) -> (&MemoryRegion, usize) {
-        match &self.memory {
+        match self {
             PartMemory::Own(mr) => (mr, 0),
             PartMemory::Shared(piece) => piece.region(),
         }
@@ -59,9 +59,17 @@ impl Part {
     /// Its registration if it is its own: what registering and
     /// deregistering a part apply to.
     fn own(&self) -> Option<&MemoryRegion> {
-        match &self.memory {
+        match self {
             PartMemory::Own(mr) => Some(mr),
             PartMemory::Shared(_) => None,
+        }
+    }
+
+    /// Its length in bytes.
+    fn len(&self) -> usize {
+        match self {
+            PartMemory::Own(mr) => mr.len(),
+            PartMemory::Shared(piece) => piece.len(),
         }
     }
 }
@@ -95,11 +103,10 @@ impl SlotMemory {
             "slots past the {} there are",
             self.slots
         );
-        let len = match &memory {
-            PartMemory::Own(mr) => mr.len(),
-            PartMemory::Shared(piece) => piece.len(),
-        };
-        assert!(len >= count as usize * self.slot_size, "a part too short");
+        assert!(
+            memory.len() >= count as usize * self.slot_size,
+            "a part too short"
+        );
         let part = Part {
             first,
             count,
@@ -128,6 +135,7 @@ impl SlotMemory {
                 .expect("a ring grows by whole parts");
             assert_eq!(part.first + part.count, to, "a ring grows by whole parts");
             let mr = part
+                .memory
                 .own()
                 .expect("a ring grows past its shared first slots");
             return mr.register();
@@ -161,7 +169,10 @@ impl SlotMemory {
     pub(super) unsafe fn deregister_from(&self, from: u32) -> Result<usize, crate::verbs::Error> {
         let mut released = 0;
         let parts = self.parts.iter().map_while(OnceLock::get);
-        for mr in parts.filter(|p| p.first >= from).filter_map(Part::own) {
+        for mr in parts
+            .filter(|p| p.first >= from)
+            .filter_map(|p| p.memory.own())
+        {
             if mr.is_registered() {
                 // SAFETY: as the caller guarantees.
                 unsafe { mr.deregister()? };
@@ -199,7 +210,7 @@ impl SlotMemory {
             .map_while(OnceLock::get)
             .find(|p| slot < p.first + p.count)
             .expect("a slot is used only once its part exists");
-        let (mr, part_start) = part.region();
+        let (mr, part_start) = part.memory.region();
         let start = part_start + (slot - part.first) as usize * self.slot_size;
         (mr, start..start + self.slot_size)
     }

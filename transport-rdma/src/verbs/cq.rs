@@ -9,8 +9,9 @@ use rdma_sys as ffi;
 
 use super::{errno_error, last_os_error, CmId, Error, LiveCount, Result, SharedCmId};
 
-/// An `ibv_cq` on the device of a [`CmId`], polled (no completion channel
-/// yet). Cloning shares the same CQ.
+/// An `ibv_cq` on the device of a [`CmId`], polled, and reporting to a
+/// [`CompletionChannel`] when armed if made [`with_channel`](Self::with_channel).
+/// Cloning shares the same CQ.
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,

@@ -63,6 +63,7 @@ pub use cq::{
 };
 pub use device::{device_names, Context, PortInfo};
 pub use error::{Error, Result};
+pub(crate) use mr::PAGE;
 pub use mr::{
     memory_registrations, registered_bytes, Access, MemoryRegion, RegisteredBytes, RemoteRegion,
 };

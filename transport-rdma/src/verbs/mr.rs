@@ -220,7 +220,7 @@ impl MemoryRegion {
         let (raw, iova) = unsafe { register(&pd, self.buf.as_ptr(), self.len, self.access)? };
         // Counted from here, so that `deregister` and `Drop` (which
         // subtract) pair with it.
-        counted_registration(Self::layout(self.len).size() as u64);
+        counted_registration(self.mapped_len() as u64);
         // SAFETY: no reference into the cell lives across this call: the
         // methods that read it copy what they need, and the value is not
         // `Sync` (see the field's docs for who shares it anyway).
@@ -250,7 +250,7 @@ impl MemoryRegion {
                 source: super::errno_error(ret),
             });
         }
-        counted_deregistration(Self::layout(self.len).size() as u64);
+        counted_deregistration(self.mapped_len() as u64);
         // SAFETY: as the caller guarantees, nothing else reads the cell;
         // `registration` (a copy's source) is not used after this.
         unsafe { *self.registration.get() = None };
@@ -287,6 +287,11 @@ impl MemoryRegion {
     fn layout(len: usize) -> std::alloc::Layout {
         std::alloc::Layout::from_size_align(len.next_multiple_of(PAGE), PAGE)
             .expect("a memory region's size fits the address space")
+    }
+
+    /// Bytes of its mapping: what it pins while registered.
+    fn mapped_len(&self) -> usize {
+        Self::layout(self.len).size()
     }
 
     /// Length in bytes.
@@ -494,12 +499,12 @@ impl Drop for MemoryRegion {
                 return;
             }
             // Still counted above when leaked: its pages stay pinned.
-            counted_deregistration(Self::layout(self.len).size() as u64);
+            counted_deregistration(self.mapped_len() as u64);
         }
         // SAFETY: `buf` was mapped in `unregistered` with this size and is
         // no longer registered (ibv_dereg_mr succeeded just above); no
         // reference into it outlives this value.
-        let ret = unsafe { libc::munmap(self.buf.as_ptr().cast(), Self::layout(self.len).size()) };
+        let ret = unsafe { libc::munmap(self.buf.as_ptr().cast(), self.mapped_len()) };
         if ret != 0 {
             tracing::error!(len = self.len, error = %last_os_error(), "munmap of a region's buffer failed");
         }
@@ -678,7 +683,7 @@ fn pages_spanned(bytes: &[u8]) -> u64 {
 }
 
 /// Registration pins whole pages of this size.
-const PAGE: usize = 4096;
+pub(crate) const PAGE: usize = 4096;
 
 /// Bytes registered by the [`MemoryRegion`]s and [`RegisteredBytes`] of
 /// this process now.
