@@ -390,7 +390,9 @@ impl RdmaTransport {
     /// bytes (header included; 96..=64 KiB, default 8 KiB). Panics outside
     /// those bounds. The first 8 are registered and posted at set-up, and
     /// doubled (up to `slots`) each time the peer keeps half of those in
-    /// use consumed.
+    /// use consumed. A client also keeps at most `slots` frames in flight
+    /// into a server's ring, however large: its send queue is made before
+    /// it learns the server's ring, and sized by its own.
     pub fn ring(mut self, slots: u32, slot_size: u32) -> RdmaTransport {
         assert!((8..=4096).contains(&slots), "ring slots: 8..=4096");
         assert!(

@@ -91,8 +91,14 @@ fn around(limit: usize) -> [usize; 3] {
 /// may arrive before a large one sent earlier (it passes it between
 /// chunks): every frame must arrive once, intact, in any order.
 async fn round_trip_sizes(cfg: RdmaTransport, sizes: &[usize]) {
+    round_trip_sizes_between(&cfg, &cfg, sizes).await
+}
+
+/// [`round_trip_sizes`] between a client made with `client` and a server
+/// made with `server`.
+async fn round_trip_sizes_between(client: &RdmaTransport, server: &RdmaTransport, sizes: &[usize]) {
     let env = TestEnv::from_env();
-    let (client, mut server) = pair(&env, &cfg).await;
+    let (client, mut server) = env.pair_between(client, server, LIMITS).await;
     let bodies: Vec<Bytes> = sizes
         .iter()
         .enumerate()
@@ -303,6 +309,25 @@ async fn thousands_of_small_frames_around_the_inline_size_both_ways() {
         .take(5000)
         .collect();
     round_trip_sizes(RdmaTransport::default(), &sizes).await;
+}
+
+/// A client sizes its send queue for its own ring, before it learns the
+/// server's: into a server's larger ring it keeps at most its own ring's
+/// worth of frames in flight. Were it to spend every credit the server
+/// grants, a post past its queue's depth would fail (`ENOMEM`) and the
+/// connection with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_client_with_a_smaller_ring_than_the_servers_sends_within_its_send_queue() {
+    // Past 480 bytes a frame goes by WRITE and SEND: two requests each.
+    let sizes: Vec<usize> = [0, 8, 200, 1000, 3000]
+        .into_iter()
+        .cycle()
+        .take(3000)
+        .collect();
+    let client = RdmaTransport::default().ring(8, 512);
+    let server = RdmaTransport::default().ring(256, 512);
+    round_trip_sizes_between(&client, &server, &sizes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -593,8 +593,7 @@ const SCALE_CONCURRENT_SETUPS: usize = 32;
 /// machine's memory taken per connection (queue pairs, completion queues
 /// and connection-manager state in the kernel: not registered memory).
 ///
-/// The transport's peer limits (`max_peer`) are the same small geometry:
-/// the send queue is sized for the largest ring a peer may announce.
+/// The transport's peer limits (`max_peer`) are the same small geometry.
 ///
 /// Measured in the 2 GiB Soft-RoCE guest (debug build): 2 fds and
 /// 215-235 KiB of the machine's memory per connection (both ends: 40 KiB

@@ -249,6 +249,7 @@ pub fn check(ops: &[Op]) {
         region_len: REGION as u64,
         peer_ring_slots: SLOTS,
         peer_initial_ring_slots: SLOTS,
+        send_slots: SLOTS,
         peer_region_len: REGION as u64,
         inline_max: SLOT_SIZE - HEADER_LEN,
         max_frame_len: MAX_FRAME,

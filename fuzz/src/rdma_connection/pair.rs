@@ -172,7 +172,10 @@ struct Side {
 }
 
 impl Side {
-    fn new(keep: u8) -> Side {
+    /// A side that keeps at most `send_slots` data frames in flight (a
+    /// client sizes its send queue by its own ring, before it learns its
+    /// peer's).
+    fn new(keep: u8, send_slots: u32) -> Side {
         Side {
             conn: Connection::new(Config {
                 ring_slots: SLOTS,
@@ -183,6 +186,7 @@ impl Side {
                 region_len: REGION as u64,
                 peer_ring_slots: SLOTS,
                 peer_initial_ring_slots: INITIAL_SLOTS,
+                send_slots,
                 peer_region_len: REGION as u64,
                 inline_max: INLINE_MAX,
                 max_frame_len: MAX_FRAME,
@@ -645,8 +649,8 @@ pub struct Moved {
 
 /// Runs the checks on one input.
 pub fn check(input: &PairInput) -> Moved {
-    let mut a = Side::new(input.keep[0]);
-    let mut b = Side::new(input.keep[1]);
+    let mut a = Side::new(input.keep[0], SLOTS);
+    let mut b = Side::new(input.keep[1], 3);
     let mut next = 0;
     for op in &input.ops {
         match *op {

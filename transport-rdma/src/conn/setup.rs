@@ -66,6 +66,9 @@ pub(crate) struct Established {
     id: CmId,
     own: Hello,
     peer: Hello,
+    /// Our data send slots: the peer's ring's, or as many as our send
+    /// queue holds if that is fewer (see [`make_half`]).
+    send_slots: u32,
     peer_addr: String,
     /// A server's connection: its share of the listener's admission.
     lease: Option<Lease>,
@@ -80,6 +83,8 @@ struct Half {
     cc: CompletionChannel,
     pd: ProtectionDomain,
     own: Hello,
+    /// The data send slots the send queue is deep enough for.
+    send_slots: u32,
 }
 
 /// Sends up to this many bytes (header included) go inline: the device
@@ -93,17 +98,18 @@ struct Half {
 /// pinned). On Soft-RoCE itself it changed no latency measurably.
 const INLINE_SEND_BYTES: u32 = 256;
 
-/// The device objects of one end, its send queue deep enough for a peer
-/// ring of `peer_ring_slots`: the most the client accepts
-/// ([`RdmaTransport::max_peer`]; it learns the server's ring only from
-/// the reply, after its queue pair exists), the client's own on the
-/// server, whose request named it. A server end of a client with the
-/// default 64 slots so has a queue 162 deep instead of 546, and a
-/// completion queue to match.
+/// The device objects of one end, its send queue deep enough for
+/// `send_slots` data slots: on the server, the client's ring, which its
+/// request named; on the client, which learns the server's ring only from
+/// the reply, after its queue pair exists, its own ring (within
+/// [`RdmaTransport::max_peer`]): it then keeps at most that many messages
+/// in flight into a larger ring. At the default 64 slots either end's
+/// queue is 162 deep instead of the 546 a 256-slot peer would need, and
+/// its completion queue to match.
 fn make_half(
     id: &mut CmId,
     cfg: &RdmaTransport,
-    peer_ring_slots: u32,
+    send_slots: u32,
 ) -> Result<Half, crate::verbs::Error> {
     let shared = if cfg.shared_protection_domain {
         ProtectionDomain::shared(id)?
@@ -129,7 +135,7 @@ fn make_half(
     let region_binds = if pd.is_shared() { 2 } else { 0 };
     let binds = transfer_binds + region_binds;
     let max_send_wr =
-        2 * (peer_ring_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + binds + 4;
+        2 * (send_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + binds + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,
@@ -160,6 +166,7 @@ fn make_half(
         cc,
         pd,
         own,
+        send_slots,
     };
     let wired = &mut half.wired;
     for i in 0..own.initial_slots {
@@ -203,20 +210,21 @@ fn finish(
     // uses as many as it has frames queued or in flight, the lowest first.
     // Each part is registered with the first SEND from it too long to go
     // inline.
+    let send_slots = half.send_slots.min(peer.ring_slots);
     let slot = peer.slot_size as usize;
     let part = |n: u32| {
         let mr = MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
         PartMemory::Own(mr)
     };
-    let mut data = FIRST_DATA_SLOTS.min(peer.ring_slots);
+    let mut data = FIRST_DATA_SLOTS.min(send_slots);
     let send = SlotMemory::new(
         part(data + CTRL_SLOTS + HEAP_SLOTS),
         data + CTRL_SLOTS + HEAP_SLOTS,
-        peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS,
+        send_slots + CTRL_SLOTS + HEAP_SLOTS,
         slot,
     );
-    while data < peer.ring_slots {
-        let count = data.min(peer.ring_slots - data);
+    while data < send_slots {
+        let count = data.min(send_slots - data);
         send.add(count, part(count));
         data += count;
     }
@@ -229,6 +237,7 @@ fn finish(
         id,
         own: half.own,
         peer,
+        send_slots,
         peer_addr,
         lease,
         authenticated,
@@ -246,7 +255,8 @@ pub(crate) async fn connect(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let half = make_half(&mut id, cfg, cfg.max_peer_ring_slots).map_err(e)?;
+    let send_slots = cfg.ring_slots.min(cfg.max_peer_ring_slots);
+    let half = make_half(&mut id, cfg, send_slots).map_err(e)?;
     // The challenge request names this connection's queue pair: unique
     // among this host's connections, and not connected until the
     // challenge was answered.
@@ -449,6 +459,7 @@ impl Established {
             id,
             own,
             peer,
+            send_slots,
             peer_addr,
             lease,
             authenticated: _,
@@ -467,6 +478,7 @@ impl Established {
             region_len: own.region_len.into(),
             peer_ring_slots: peer.ring_slots,
             peer_initial_ring_slots: peer.initial_slots,
+            send_slots,
             peer_region_len: peer.region_len.into(),
             inline_max,
             max_frame_len: limits.max_frame_len,
@@ -498,7 +510,7 @@ impl Established {
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),
-            mem: DropLater::new(Buffers::new(ring, send, pd, own, peer)),
+            mem: DropLater::new(Buffers::new(ring, send, send_slots, pd, own, peer)),
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),

@@ -33,7 +33,7 @@ pub(super) struct Buffers {
     /// control and chunk slots, then the other data slots, in doublings
     /// ([`send_slot`](Self::send_slot)).
     send: SlotMemory,
-    /// Data send slots (the peer's ring slots).
+    /// Data send slots: the peer's ring's, or fewer (`make_half`).
     data_slots: u32,
     /// The length of staging ([`State::staging`]): the peer's region's.
     staging_len: usize,
@@ -90,6 +90,7 @@ impl Buffers {
     pub(super) fn new(
         ring: SlotMemory,
         send: SlotMemory,
+        data_slots: u32,
         pd: ProtectionDomain,
         own: proto::Hello,
         peer: proto::Hello,
@@ -98,7 +99,7 @@ impl Buffers {
             ring,
             region_len: own.region_len as usize,
             send,
-            data_slots: peer.ring_slots,
+            data_slots,
             staging_len: peer.region_len as usize,
             pd,
         }

@@ -16,9 +16,10 @@
 //! slot and passes it in, and reads received bytes for it through
 //! [`ReadReceived`].
 //!
-//! Send slots are numbered `0..peer_ring_slots` for data messages (one per
-//! slot of the peer's ring), then [`CTRL_SLOTS`] for control messages, then
-//! [`HEAP_SLOTS`] for the chunks of heap-encoded frames.
+//! Send slots are numbered `0..send_slots` for data messages (one per
+//! slot of the peer's ring, or fewer: see [`Config::send_slots`]), then
+//! [`CTRL_SLOTS`] for control messages, then [`HEAP_SLOTS`] for the chunks
+//! of heap-encoded frames.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -678,6 +679,11 @@ pub struct Config {
     pub peer_ring_slots: u32,
     /// Of those, posted at first: our first credits.
     pub peer_initial_ring_slots: u32,
+    /// Our data send slots (1..=`peer_ring_slots`): the most data messages
+    /// in flight, whatever credits the peer grants. Fewer than the peer's
+    /// ring when our send queue was sized before we learned it (a client
+    /// sizes for its own ring).
+    pub send_slots: u32,
     /// The peer's region's length.
     pub peer_region_len: u64,
     /// Largest frame sent inline (at most the peer's slot minus the header).
@@ -826,23 +832,24 @@ impl Connection {
     /// A connection whose ring's first slots are posted (the verbs layer
     /// posted them before connecting) and whose peer's are all free.
     pub fn new(cfg: Config) -> Connection {
-        let peer = cfg.peer_ring_slots;
+        debug_assert!((1..=cfg.peer_ring_slots).contains(&cfg.send_slots));
+        let send = cfg.send_slots;
         Connection {
-            credits: CreditWindow::new(cfg.peer_initial_ring_slots, peer),
+            credits: CreditWindow::new(cfg.peer_initial_ring_slots, cfg.peer_ring_slots),
             writer: RegionWriter::new(cfg.peer_region_len),
             queue: VecDeque::new(),
-            free_send: FreeSlots::all(peer),
-            free_ctrl: (peer..peer + CTRL_SLOTS).collect(),
-            free_heap: (peer + CTRL_SLOTS..peer + CTRL_SLOTS + HEAP_SLOTS).collect(),
+            free_send: FreeSlots::all(send),
+            free_ctrl: (send..send + CTRL_SLOTS).collect(),
+            free_heap: (send + CTRL_SLOTS..send + CTRL_SLOTS + HEAP_SLOTS).collect(),
             chunk_pace: Pace::default(),
             heap_queued: false,
             inline_max: cfg.inline_max,
             in_flight: 0,
-            data_slots: peer,
+            data_slots: send,
             region_sent_to: 0,
             peer_region: PeerRegion::Unasked,
             // The first receive slots are posted before connecting.
-            posted: (0..cfg.ring_slots + peer + CTRL_SLOTS + HEAP_SLOTS)
+            posted: (0..cfg.ring_slots + send + CTRL_SLOTS + HEAP_SLOTS)
                 .map(|i| i < cfg.initial_ring_slots)
                 .collect(),
             ring_slots: cfg.ring_slots,
@@ -2503,6 +2510,54 @@ mod tests {
     }
 
     #[test]
+    fn fewer_send_slots_than_the_peers_ring_bound_what_is_in_flight() {
+        // A client sizes its send queue before it learns the server's ring:
+        // it uses 3 of the peer's 8 slots, though it holds credits for more.
+        let mut conn = Connection::new(Config {
+            send_slots: 3,
+            ..connection_config()
+        })
+        .regions_granted();
+        let credits = conn.credits_available();
+        let mut sent = Vec::new();
+        while let SendDecision::Encode(reservation) = conn.handle_send(8) {
+            conn.queue_frame(reservation, None).unwrap();
+            while let Some(t) = conn.poll_transmit() {
+                if let Transmit::Send { kind, slot, .. } = t {
+                    assert_eq!(kind, WorkKind::Send);
+                    sent.push(slot);
+                }
+            }
+        }
+        assert_eq!(sent, [0, 1, 2], "one frame per send slot");
+        assert_eq!(conn.credits_available(), credits - 3, "credits left over");
+        // A completed send frees its slot for the next frame.
+        complete(&mut conn, WorkKind::Send.wr_id(1), &[]);
+        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+            panic!("a freed send slot was not reused")
+        };
+        assert_eq!(reservation.place, Place::Inline { slot: 1 });
+        // The peer may still return credits up to its whole ring.
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &credits_returned(3));
+        assert_eq!(conn.credits_available(), credits);
+        assert_eq!(credits, SLOTS);
+        assert_eq!(conn.failure(), None);
+        // The control and chunk slots follow the data slots we have.
+        for (kind, index) in [(WorkKind::Send, 3), (WorkKind::Control, SLOTS)] {
+            let mut conn = Connection::new(Config {
+                send_slots: 3,
+                ..connection_config()
+            });
+            complete(&mut conn, kind.wr_id(index), &[]);
+            let failure = conn.failure().expect("a slot past ours taken");
+            assert!(
+                failure.contains("out of range"),
+                "{kind:?} {index}: {failure}"
+            );
+        }
+    }
+
+    #[test]
     fn a_second_completion_of_one_request_fails_the_connection() {
         // A SEND completed twice would free its slot twice.
         let mut conn = connection();
@@ -3418,6 +3473,7 @@ mod tests {
             region_len: 256,
             peer_ring_slots: SLOTS,
             peer_initial_ring_slots: SLOTS,
+            send_slots: SLOTS,
             peer_region_len: 256,
             inline_max: 96 - HEADER_LEN,
             max_frame_len: 1000,

@@ -165,6 +165,7 @@ impl Side {
                 region_len: REGION as u64,
                 peer_ring_slots: SLOTS,
                 peer_initial_ring_slots: peer_initial,
+                send_slots: SLOTS,
                 peer_region_len: REGION as u64,
                 inline_max: INLINE_MAX,
                 max_frame_len: MAX_FRAME,

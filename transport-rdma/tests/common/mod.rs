@@ -95,12 +95,26 @@ impl TestEnv {
         rpc_core::transport::Connection,
         rpc_core::transport::Connection,
     ) {
+        self.pair_between(transport, transport, limits).await
+    }
+
+    /// Both ends of one connection over this host's device, the client's
+    /// made with `client`, the server's with `server`.
+    pub async fn pair_between(
+        &self,
+        client: &transport_rdma::RdmaTransport,
+        server: &transport_rdma::RdmaTransport,
+        limits: rpc_core::transport::FrameLimits,
+    ) -> (
+        rpc_core::transport::Connection,
+        rpc_core::transport::Connection,
+    ) {
         use rpc_core::transport::Transport;
-        let (mut listener, target) = self.listen_here(transport, limits).await;
+        let (mut listener, target) = self.listen_here(server, limits).await;
         // A set-up that fails on one side leaves the other waiting.
         let (client, server) = within(SET_UP_LIMIT, "connecting and accepting", async {
             tokio::join!(
-                transport.connect(&target, limits),
+                client.connect(&target, limits),
                 std::future::poll_fn(|cx| listener.poll_accept(cx))
             )
         })
