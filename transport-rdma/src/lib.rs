@@ -166,7 +166,8 @@
 //! # Memory per connection
 //! 8 receive slots at first, `ring_slots × slot_size` once the peer keeps
 //! half of those consumed (many calls in flight, a stream); as much for
-//! sending (sized by the peer's ring) once this side sends a frame too long
+//! sending (sized by the peer's ring, on a client at most by its own)
+//! once this side sends a frame too long
 //! to go inline (256 bytes with its header); `region_len` for the region
 //! once the peer first sends a frame too large for a slot, and the peer's
 //! region size for staging once this side does. All but the ring until
