@@ -330,6 +330,22 @@ async fn a_client_with_a_smaller_ring_than_the_servers_sends_within_its_send_que
     round_trip_sizes_between(&client, &server, &sizes).await;
 }
 
+/// Frames too large for a slot go by WRITE and SEND, two requests each,
+/// but the send queue has room for a WRITE for only 16 data slots of 64
+/// (`proto::REGION_FRAMES`): pipelined, more than that many wait for one
+/// to complete, while frames that fit a slot pass them. A post past the
+/// queue's depth would fail the connection (`ENOMEM`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn pipelined_region_frames_stay_within_the_send_queue() {
+    let sizes: Vec<usize> = [9000, 20_000, 100, 12_000]
+        .into_iter()
+        .cycle()
+        .take(2000)
+        .collect();
+    round_trip_sizes(RdmaTransport::default(), &sizes).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn lowered_inline_threshold_sends_small_frames_by_write() {

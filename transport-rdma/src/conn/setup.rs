@@ -33,7 +33,9 @@ use super::slots::{PartMemory, SlotMemory};
 use super::state::{Buffers, Shared, State, FIRST_DATA_SLOTS};
 use crate::admission::Lease;
 use crate::proto::auth::{self, Challenge, Proven};
-use crate::proto::{self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS};
+use crate::proto::{
+    self, Hello, Refused, WorkKind, CTRL_SLOTS, HEADER_LEN, HEAP_SLOTS, REGION_FRAMES,
+};
 use crate::registry::Placement;
 use crate::teardown::DropLater;
 use crate::verbs::{
@@ -104,8 +106,9 @@ const INLINE_SEND_BYTES: u32 = 256;
 /// the reply, after its queue pair exists, its own ring (within
 /// [`RdmaTransport::max_peer`]): it then keeps at most that many messages
 /// in flight into a larger ring. At the default 64 slots either end's
-/// queue is 162 deep instead of the 546 a 256-slot peer would need, and
-/// its completion queue to match.
+/// queue is 114 deep (127 on Soft-RoCE, whose queues hold a power of two
+/// less one), and its completion queue to match: 546 before a client sized by
+/// its own ring, 162 before [`REGION_FRAMES`] bounded the WRITEs.
 fn make_half(
     id: &mut CmId,
     cfg: &RdmaTransport,
@@ -134,8 +137,11 @@ fn make_half(
     // a grant that follows a release at once).
     let region_binds = if pd.is_shared() { 2 } else { 0 };
     let binds = transfer_binds + region_binds;
+    // A SEND per data, chunk and control slot, a WRITE before the SEND of
+    // each region frame and each chunk, the rendezvous READs, the binds.
+    let writes = send_slots.min(REGION_FRAMES) + HEAP_SLOTS;
     let max_send_wr =
-        2 * (send_slots + HEAP_SLOTS) + CTRL_SLOTS + crate::verbs::READ_DEPTH + binds + 4;
+        send_slots + HEAP_SLOTS + CTRL_SLOTS + writes + crate::verbs::READ_DEPTH + binds + 4;
     let cq = CompletionQueue::with_channel(id, max_send_wr + cfg.ring_slots + 8, &cc)?;
     let qp = QueuePair::new(
         id,

@@ -39,6 +39,12 @@ pub const CTRL_SLOTS: u32 = 4;
 /// Send slots reserved for the chunks of a heap-encoded frame (frames queued
 /// behind it may hold every data slot).
 pub const HEAP_SLOTS: u32 = 4;
+/// Region frames (a WRITE and a SEND each, where an inline frame is one
+/// SEND) in flight at once: the send queue needs a second entry for this
+/// many data slots, not for all of them. 16 frames of at least a slot
+/// (8 KiB by default) each are more than a link's round trip carries
+/// (100 Gb/s × 5 µs is 62 KiB).
+pub const REGION_FRAMES: u32 = 16;
 /// Largest chunk of a heap-encoded (chunked) frame. Frames of other calls
 /// pass a chunked frame between its chunks, but not a chunk already posted:
 /// at most [`HEAP_SLOTS`] chunks are in flight, so a small frame queued
@@ -774,9 +780,13 @@ pub struct Connection {
     inline_max: usize,
     /// Signaled send-queue requests posted and not completed.
     in_flight: u32,
-    /// Send slots for data messages (the peer's ring slots); control and
-    /// heap slots follow.
+    /// Send slots for data messages (the peer's ring slots, or fewer);
+    /// control and heap slots follow.
     data_slots: u32,
+    /// Which data slots hold a region frame, reserved or in flight: at
+    /// most [`REGION_FRAMES`].
+    region_frame_in: Vec<bool>,
+    region_frames: u32,
     /// The peer's region is written up to here (stream position): it may
     /// not report space beyond it freed.
     region_sent_to: u64,
@@ -846,6 +856,8 @@ impl Connection {
             inline_max: cfg.inline_max,
             in_flight: 0,
             data_slots: send,
+            region_frame_in: vec![false; send as usize],
+            region_frames: 0,
             region_sent_to: 0,
             peer_region: PeerRegion::Unasked,
             // The first receive slots are posted before connecting.
@@ -1107,7 +1119,7 @@ impl Connection {
                 Place::Inline { slot }
             }
             Route::Region => {
-                if self.heap_queued {
+                if self.heap_queued || self.region_frames == REGION_FRAMES {
                     return SendDecision::Wait;
                 }
                 let Some(slot) = self.free_send.take() else {
@@ -1118,6 +1130,8 @@ impl Connection {
                     self.free_send.put(slot);
                     return SendDecision::Wait;
                 };
+                self.region_frames += 1;
+                self.region_frame_in[slot as usize] = true;
                 Place::Region {
                     slot,
                     pos,
@@ -1267,7 +1281,7 @@ impl Connection {
             Place::Region {
                 slot, head_before, ..
             } => {
-                self.free_send.put(slot);
+                self.free_data_slot(slot);
                 self.writer.roll_back_to(head_before);
             }
             Place::Heap => self.heap_queued = false,
@@ -1295,6 +1309,14 @@ impl Connection {
             self.pump();
         }
         self.transmit.pop_front()
+    }
+
+    /// Frees data slot `slot` (and a place for a region frame, if it held one).
+    fn free_data_slot(&mut self, slot: u32) {
+        if std::mem::take(&mut self.region_frame_in[slot as usize]) {
+            self.region_frames -= 1;
+        }
+        self.free_send.put(slot);
     }
 
     fn stamp(&mut self, header: &mut Header) {
@@ -1675,7 +1697,7 @@ impl Connection {
                 }
             }
             WorkKind::Send => {
-                self.free_send.put(index);
+                self.free_data_slot(index);
                 self.wake.senders = true;
             }
             WorkKind::Control => self.free_ctrl.push(index),
@@ -2555,6 +2577,61 @@ mod tests {
                 "{kind:?} {index}: {failure}"
             );
         }
+    }
+
+    #[test]
+    fn region_frames_in_flight_are_bounded_and_inline_frames_pass_them() {
+        // The send queue holds a WRITE for REGION_FRAMES data slots only.
+        let slots = 2 * REGION_FRAMES;
+        let mut conn = Connection::new(Config {
+            peer_ring_slots: slots,
+            peer_initial_ring_slots: slots,
+            send_slots: slots,
+            peer_region_len: 1 << 20,
+            ..connection_config()
+        })
+        .regions_granted();
+        let region_frame = 1000;
+        let mut slots_held = Vec::new();
+        while let SendDecision::Encode(reservation) = conn.handle_send(region_frame) {
+            let Place::Region { slot, .. } = reservation.place else {
+                panic!("{region_frame} bytes not by the region: {reservation:?}")
+            };
+            slots_held.push(slot);
+            conn.queue_frame(reservation, None).unwrap();
+        }
+        assert_eq!(slots_held.len(), REGION_FRAMES as usize);
+        let writes = std::iter::from_fn(|| conn.poll_transmit())
+            .filter(|t| matches!(t, Transmit::Write { .. }))
+            .count();
+        assert_eq!(writes, REGION_FRAMES as usize);
+        // Inline frames still go, from the data slots left.
+        let SendDecision::Encode(inline) = conn.handle_send(8) else {
+            panic!("an inline frame waited behind the region frames")
+        };
+        assert!(matches!(inline.place, Place::Inline { .. }));
+        conn.queue_frame(inline, None).unwrap();
+        let Some(Transmit::Send { kind, slot, .. }) = conn.poll_transmit() else {
+            panic!("the inline frame was not sent")
+        };
+        // Its completion frees no region frame's place.
+        complete(&mut conn, kind.wr_id(slot), &[]);
+        assert_eq!(conn.handle_send(region_frame), SendDecision::Wait);
+        // A region frame's SEND completion does.
+        complete(&mut conn, WorkKind::Send.wr_id(slots_held[3]), &[]);
+        let SendDecision::Encode(reservation) = conn.handle_send(region_frame) else {
+            panic!("a completed region frame's place was not freed")
+        };
+        let Place::Region { slot, .. } = reservation.place else {
+            panic!("not by the region: {reservation:?}")
+        };
+        assert_eq!(slot, slots_held[3], "the lowest free data slot");
+        // As does a cancelled one.
+        conn.cancel_send(reservation);
+        let SendDecision::Encode(_) = conn.handle_send(region_frame) else {
+            panic!("a cancelled region frame's place was not freed")
+        };
+        assert_eq!(conn.failure(), None);
     }
 
     #[test]

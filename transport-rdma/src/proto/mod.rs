@@ -76,6 +76,7 @@ mod sim;
 pub use connection::{
     Completion, Config, Connection, Delivered, EncodeInto, Lifecycle, OwnClose, ReadReceived,
     Refusal, Reservation, SendDecision, Transmit, Wakeups, WorkKind, CTRL_SLOTS, HEAP_SLOTS,
+    REGION_FRAMES,
 };
 pub use credit::{CreditWindow, Delivery, RecvRing};
 pub use frame_bytes::FrameBytes;
