@@ -391,9 +391,10 @@ impl RdmaTransport {
     /// bytes (header included; 96..=64 KiB, default 8 KiB). Panics outside
     /// those bounds. The first 8 are registered and posted at set-up, and
     /// doubled (up to `slots`) each time the peer keeps half of those in
-    /// use consumed. A client also keeps at most `slots` frames in flight
-    /// into a server's ring, however large: its send queue is made before
-    /// it learns the server's ring, and sized by its own.
+    /// use consumed. Either side also keeps at most `slots` frames in
+    /// flight into its peer's ring, however large: its send slots and
+    /// send queue are sized by its own ring (a client makes its queue
+    /// before it learns the server's ring).
     pub fn ring(mut self, slots: u32, slot_size: u32) -> RdmaTransport {
         assert!((8..=4096).contains(&slots), "ring slots: 8..=4096");
         assert!(
@@ -431,7 +432,8 @@ impl RdmaTransport {
 
     /// Largest ring (slots, slot size) and region a peer may announce
     /// (default 256 slots, 64 KiB, 16 MiB): what it announces costs send
-    /// slots and a staging region here.
+    /// slots (as many as this side's own ring has, at most) of its slot
+    /// size and a staging region as large as its region here.
     pub fn max_peer(mut self, ring_slots: u32, slot_size: u32, region_len: u32) -> RdmaTransport {
         self.max_peer_ring_slots = ring_slots.max(8);
         self.max_peer_slot_size = slot_size;

@@ -111,6 +111,46 @@ async fn a_client_whose_connection_would_pin_too_much_is_refused() {
     echoes(&mut modest).await;
 }
 
+/// A server sends from at most its own ring's slots, however large a ring
+/// the client announces: a client with the largest ring the server
+/// accepts (256 slots of 64 KiB) costs it 64 send slots of 64 KiB
+/// (4.5 MiB with the control and chunk slots), not 256 (16.5 MiB), and
+/// fits a budget that mirroring its ring would not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_than_its_own() {
+    let env = TestEnv::from_env();
+    // The server's ring (512 KiB) and region (1 MiB), staging for the
+    // client's region (1 MiB), 72 send slots of 64 KiB (4.5 MiB), and
+    // room to spare; 264 send slots would take 16.5 MiB.
+    let budget = 8 << 20;
+    let server = RdmaTransport::default().max_pinned_bytes(budget);
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let _serving = echo_server(listener);
+    let mut largest = RdmaTransport::default()
+        .ring(256, 64 << 10)
+        .connect_stream(&addr)
+        .await
+        .expect("a client with a 256-slot ring fits the server's own");
+    echoes(&mut largest).await;
+    // The server's send queue is sized for 64 data slots (114 requests,
+    // 127 on Soft-RoCE), not for 256 (306); the client's for its own 256,
+    // as it made its queue before it learned the server's ring. Each end's
+    // line in the dump starts with its peer's address.
+    let dump = transport_rdma::debug_dump();
+    let depth = |client_end: bool| -> u32 {
+        let line = dump
+            .lines()
+            .find(|l| l.starts_with(&addr) == client_end)
+            .unwrap_or_else(|| panic!("both ends in the dump: {dump}"));
+        let depth = line.rsplit("send queue ").next().unwrap_or_default();
+        depth.parse().unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    assert!((114..306).contains(&depth(false)), "{dump}");
+    assert!(depth(true) >= 306, "{dump}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_hello_beyond_the_servers_limits_or_no_listener_is_refused_with_a_reason() {

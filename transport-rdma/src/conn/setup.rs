@@ -101,14 +101,15 @@ struct Half {
 const INLINE_SEND_BYTES: u32 = 256;
 
 /// The device objects of one end, its send queue deep enough for
-/// `send_slots` data slots: on the server, the client's ring, which its
-/// request named; on the client, which learns the server's ring only from
-/// the reply, after its queue pair exists, its own ring (within
-/// [`RdmaTransport::max_peer`]): it then keeps at most that many messages
-/// in flight into a larger ring. At the default 64 slots either end's
-/// queue is 114 deep (127 on Soft-RoCE, whose queues hold a power of two
-/// less one), and its completion queue to match: 546 before a client sized by
-/// its own ring, 162 before [`REGION_FRAMES`] bounded the WRITEs.
+/// `send_slots` data slots: the most frames it keeps in flight, its own
+/// ring's slots or the peer's if fewer ([`send_slots`]). The server knows
+/// both from the client's request; the client, which learns the server's
+/// ring only from the reply, after its queue pair exists, sizes for its
+/// own ring (within [`RdmaTransport::max_peer`]). At the default 64 slots
+/// either end's queue is 114 deep (127 on Soft-RoCE, whose queues hold a
+/// power of two less one), and its completion queue to match: 546 before
+/// a client sized by its own ring, 162 before [`REGION_FRAMES`] bounded
+/// the WRITEs.
 fn make_half(
     id: &mut CmId,
     cfg: &RdmaTransport,
@@ -186,15 +187,25 @@ fn make_half(
     Ok(half)
 }
 
+/// The data slots an end sends from: one per slot of the peer's ring, but
+/// no more than its own ring has. A peer announcing a larger ring costs
+/// this side no more send slots or send queue than its own ring would,
+/// and takes frames as many at a time as this side's ring would let it
+/// send back.
+pub(crate) fn send_slots(cfg: &RdmaTransport, peer: &Hello) -> u32 {
+    cfg.ring_slots.min(peer.ring_slots)
+}
+
 /// Bytes a connection may pin with our settings and the peer's geometry:
-/// our ring and region, send slots for the peer's ring (plus control and
-/// chunk slots), staging as large as the peer's region (registered with
+/// our ring and region, send slots for the peer's ring within our own
+/// ([`send_slots`], plus control and chunk slots), staging as large as the peer's region (registered with
 /// the first frame that needs it, which the peer's requests can cause),
 /// and our rendezvous pool when we read rendezvous transfers (registered
 /// as transfers arrive, so a peer can fill it).
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
-    let send = u64::from(peer.ring_slots + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
+    let send =
+        u64::from(send_slots(cfg, peer) + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
     let pool = if cfg.reads_rendezvous() {
         cfg.rendezvous_pool
     } else {
@@ -216,6 +227,7 @@ fn finish(
     // uses as many as it has frames queued or in flight, the lowest first.
     // Each part is registered with the first SEND from it too long to go
     // inline.
+    // The client's queue was sized before it knew the server's ring.
     let send_slots = half.send_slots.min(peer.ring_slots);
     let slot = peer.slot_size as usize;
     let part = |n: u32| {
@@ -261,8 +273,8 @@ pub(crate) async fn connect(
     let ctx = format!("connect to rdma://{addr}");
     let e = |e: crate::verbs::Error| io_error(ctx.clone(), e);
     let (mut id, events) = resolved_id(addr, cfg).await.map_err(e)?;
-    let send_slots = cfg.ring_slots.min(cfg.max_peer_ring_slots);
-    let half = make_half(&mut id, cfg, send_slots).map_err(e)?;
+    let most_send_slots = cfg.ring_slots.min(cfg.max_peer_ring_slots);
+    let half = make_half(&mut id, cfg, most_send_slots).map_err(e)?;
     // The challenge request names this connection's queue pair: unique
     // among this host's connections, and not connected until the
     // challenge was answered.
@@ -420,7 +432,7 @@ pub(crate) async fn accept(
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
-    let half = make_half(&mut id, cfg, peer.ring_slots).map_err(e)?;
+    let half = make_half(&mut id, cfg, send_slots(cfg, &peer)).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {
