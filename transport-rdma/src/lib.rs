@@ -701,7 +701,7 @@ impl RdmaTransport {
             read_chunk: RENDEZVOUS_READ_CHUNK,
             read_depth: RENDEZVOUS_READ_DEPTH,
             max_outgoing: RENDEZVOUS_MAX_OUTGOING,
-            announce_room: peer.slot_size as usize - HEADER_LEN,
+            announce_room: conn::SendSlots::new(own, peer).size as usize - HEADER_LEN,
         }
     }
 

@@ -111,19 +111,21 @@ async fn a_client_whose_connection_would_pin_too_much_is_refused() {
     echoes(&mut modest).await;
 }
 
-/// A server sends from at most its own ring's slots, however large a ring
-/// the client announces: a client with the largest ring the server
-/// accepts (256 slots of 64 KiB) costs it 64 send slots of 64 KiB
-/// (4.5 MiB with the control and chunk slots), not 256 (16.5 MiB), and
-/// fits a budget that mirroring its ring would not.
+/// A server sends from at most its own ring's slots, of at most its own
+/// slot size, however large a ring the client announces: a client with
+/// the largest ring the server accepts (256 slots of 64 KiB) costs it 72
+/// send slots of 8 KiB with the control and chunk slots (576 KiB), not
+/// 264 of 64 KiB (16.5 MiB), and fits a budget that mirroring its ring
+/// would not. Frames between the two slot sizes go from the server by its
+/// region.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_than_its_own() {
     let env = TestEnv::from_env();
     // The server's ring (512 KiB) and region (1 MiB), staging for the
-    // client's region (1 MiB), 72 send slots of 64 KiB (4.5 MiB), and
-    // room to spare; 264 send slots would take 16.5 MiB.
-    let budget = 8 << 20;
+    // client's region (1 MiB) and its send slots (576 KiB): 3.1 MiB;
+    // with send slots as many and as large as the client's ring, 19 MiB.
+    let budget = 4 << 20;
     let server = RdmaTransport::default().max_pinned_bytes(budget);
     let listener = server.bind_stream(&env.local_listen()).await.unwrap();
     let addr = listener.local_addr().to_string();
@@ -132,12 +134,17 @@ async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_t
         .ring(256, 64 << 10)
         .connect_stream(&addr)
         .await
-        .expect("a client with a 256-slot ring fits the server's own");
+        .expect("a client with a 256-slot ring of 64 KiB slots fits the server's budget");
     echoes(&mut largest).await;
-    // The server's send queue is sized for 64 data slots (114 requests,
-    // 127 on Soft-RoCE), not for 256 (306); the client's for its own 256,
-    // as it made its queue before it learned the server's ring. Each end's
-    // line in the dump starts with its peer's address.
+    // Larger than the server's slots, smaller than the client's.
+    let frame: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+    largest.write_all(&frame).await.expect("writes");
+    let mut back = vec![0; frame.len()];
+    tokio::time::timeout(Duration::from_secs(30), largest.read_exact(&mut back))
+        .await
+        .expect("the echo hung")
+        .expect("reads the echo");
+    assert!(back == frame, "the 40,000-byte echo came back changed");
     let dump = transport_rdma::debug_dump();
     let depth = |client_end: bool| -> u32 {
         let line = dump

@@ -102,7 +102,7 @@ const INLINE_SEND_BYTES: u32 = 256;
 
 /// The device objects of one end, its send queue deep enough for
 /// `send_slots` data slots: the most frames it keeps in flight, its own
-/// ring's slots or the peer's if fewer ([`send_slots`]). The server knows
+/// ring's slots or the peer's if fewer ([`SendSlots`]). The server knows
 /// both from the client's request; the client, which learns the server's
 /// ring only from the reply, after its queue pair exists, sizes for its
 /// own ring (within [`RdmaTransport::max_peer`]). At the default 64 slots
@@ -187,25 +187,37 @@ fn make_half(
     Ok(half)
 }
 
-/// The data slots an end sends from: one per slot of the peer's ring, but
-/// no more than its own ring has. A peer announcing a larger ring costs
-/// this side no more send slots or send queue than its own ring would,
-/// and takes frames as many at a time as this side's ring would let it
-/// send back.
-pub(crate) fn send_slots(cfg: &RdmaTransport, peer: &Hello) -> u32 {
-    cfg.ring_slots.min(peer.ring_slots)
+/// The data slots an end sends from: one per slot of the peer's ring, as
+/// large as the peer's slots, but no more and no larger than its own ring
+/// has (`own`). A peer announcing a larger ring costs this side no more
+/// send slots, send queue or slot memory than its own ring would: it
+/// takes frames as many at a time as this side's ring would let it send
+/// back, and those too large for this side's slots by its region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SendSlots {
+    pub(crate) count: u32,
+    pub(crate) size: u32,
+}
+
+impl SendSlots {
+    pub(crate) fn new(own: &Hello, peer: &Hello) -> SendSlots {
+        SendSlots {
+            count: own.ring_slots.min(peer.ring_slots),
+            size: own.slot_size.min(peer.slot_size),
+        }
+    }
 }
 
 /// Bytes a connection may pin with our settings and the peer's geometry:
 /// our ring and region, send slots for the peer's ring within our own
-/// ([`send_slots`], plus control and chunk slots), staging as large as the peer's region (registered with
+/// ([`SendSlots`], plus control and chunk slots), staging as large as the peer's region (registered with
 /// the first frame that needs it, which the peer's requests can cause),
 /// and our rendezvous pool when we read rendezvous transfers (registered
 /// as transfers arrive, so a peer can fill it).
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
-    let send =
-        u64::from(send_slots(cfg, peer) + CTRL_SLOTS + HEAP_SLOTS) * u64::from(peer.slot_size);
+    let slots = SendSlots::new(&cfg.hello(), peer);
+    let send = u64::from(slots.count + CTRL_SLOTS + HEAP_SLOTS) * u64::from(slots.size);
     let pool = if cfg.reads_rendezvous() {
         cfg.rendezvous_pool
     } else {
@@ -227,9 +239,10 @@ fn finish(
     // uses as many as it has frames queued or in flight, the lowest first.
     // Each part is registered with the first SEND from it too long to go
     // inline.
+    let SendSlots { count, size } = SendSlots::new(&half.own, &peer);
     // The client's queue was sized before it knew the server's ring.
-    let send_slots = half.send_slots.min(peer.ring_slots);
-    let slot = peer.slot_size as usize;
+    let send_slots = count.min(half.send_slots);
+    let slot = size as usize;
     let part = |n: u32| {
         let mr = MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
         PartMemory::Own(mr)
@@ -432,7 +445,8 @@ pub(crate) async fn accept(
     if let Some(exponent) = cfg.ack_timeout {
         id.set_ack_timeout(exponent).map_err(e)?;
     }
-    let half = make_half(&mut id, cfg, send_slots(cfg, &peer)).map_err(e)?;
+    let send_slots = SendSlots::new(&cfg.hello(), &peer).count;
+    let half = make_half(&mut id, cfg, send_slots).map_err(e)?;
     let mut est = finish(id, half, peer, peer_addr, Some(lease), proven.is_some());
     let own = est.own.to_bytes();
     let reply = match (proven, &cfg.auth_secret) {
@@ -488,7 +502,7 @@ impl Established {
             .map(|threshold| (PayloadPool::new(&pd, cfg.payload_pool), threshold));
         let inline_max = cfg
             .inline_threshold
-            .min(peer.slot_size as usize - HEADER_LEN);
+            .min(SendSlots::new(&own, &peer).size as usize - HEADER_LEN);
         let mut proto = proto::Connection::new(proto::Config {
             ring_slots: own.ring_slots,
             initial_ring_slots: own.initial_slots,
