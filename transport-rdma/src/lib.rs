@@ -166,11 +166,13 @@
 //! # Memory per connection
 //! 8 receive slots at first, `ring_slots × slot_size` once the peer keeps
 //! half of those consumed (many calls in flight, a stream); as much for
-//! sending (sized by the peer's ring, on a client at most by its own)
-//! once this side sends a frame too long
-//! to go inline (256 bytes with its header); `region_len` for the region
-//! once the peer first sends a frame too large for a slot, and the peer's
-//! region size for staging once this side does. All but the ring until
+//! sending (the peer's ring, within this side's own) once this side sends
+//! a frame too long to go inline (256 bytes with its header); the
+//! connection's region length (the smaller of the two sides'
+//! `region_len`) for the region once the peer first sends a frame too
+//! large for a slot, and as much for staging once this side does. So a
+//! peer's geometry never costs more than this side's own settings would.
+//! All but the ring until
 //! the sending side found them unused for
 //! [`RdmaTransport::release_idle_memory`] (30 s).
 //! Defaults: 64 × 8 KiB and
@@ -407,8 +409,10 @@ impl RdmaTransport {
     }
 
     /// The region the peer RDMA-writes large frames into (4 KiB..=1 GiB,
-    /// default 1 MiB), registered when the peer first has one. Frames
-    /// over half of it go in chunks.
+    /// default 1 MiB), registered when the peer first has one, and the
+    /// staging this side writes the peer's region from: a connection's
+    /// regions are the smaller of its two sides' settings, so set both
+    /// sides to use a larger one. Frames over half of it go in chunks.
     pub fn region_len(mut self, bytes: u32) -> RdmaTransport {
         assert!((4096..=1 << 30).contains(&bytes), "region: 4 KiB..=1 GiB");
         self.region_len = bytes;
@@ -431,9 +435,10 @@ impl RdmaTransport {
     }
 
     /// Largest ring (slots, slot size) and region a peer may announce
-    /// (default 256 slots, 64 KiB, 16 MiB): what it announces costs send
-    /// slots (as many as this side's own ring has, at most) of its slot
-    /// size and a staging region as large as its region here.
+    /// (default 256 slots, 64 KiB, 16 MiB); a peer announcing more is
+    /// refused. What it announces within them costs nothing past this
+    /// side's own settings: send slots as many and as large as its ring's
+    /// within this side's own, regions the smaller of the two sides'.
     pub fn max_peer(mut self, ring_slots: u32, slot_size: u32, region_len: u32) -> RdmaTransport {
         self.max_peer_ring_slots = ring_slots.max(8);
         self.max_peer_slot_size = slot_size;

@@ -86,29 +86,51 @@ async fn past_its_connection_limit_a_listener_refuses_and_says_why() {
     echoes(&mut second).await;
 }
 
+/// A listener's budget counts each connection at what the listener's own
+/// settings let it pin, whatever the client announces: a client
+/// announcing a 16 MiB region (16 times the listener's) and the largest
+/// ring costs it no more than a default one, as the connection's regions
+/// and staging are the smaller of the two sides' and its send slots no
+/// more nor larger than its own ring's. Past the budget, a client is
+/// refused with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn a_client_whose_connection_would_pin_too_much_is_refused() {
+async fn a_listener_counts_a_greedy_client_at_its_own_settings_and_refuses_past_its_budget() {
     let env = TestEnv::from_env();
-    // Room for one default connection, not for one with a 16 MiB region
-    // (the server's staging would match it).
+    // Room for one default connection, not two.
     let budget = PINNED_PER_END + (1 << 20);
     let server = RdmaTransport::default().max_pinned_bytes(budget);
     let listener = server.bind_stream(&env.local_listen()).await.unwrap();
     let addr = listener.local_addr().to_string();
     let _serving = echo_server(listener);
-    let greedy = RdmaTransport::default().region_len(16 << 20);
+    let mut greedy = RdmaTransport::default()
+        .ring(256, 64 << 10)
+        .region_len(16 << 20)
+        .connect_stream(&addr)
+        .await
+        .expect("a greedy client costs what a default one does");
+    echoes(&mut greedy).await;
+    // A frame larger than half the connection's 1 MiB regions goes in
+    // chunks, from either side.
+    let frame: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
+    let (mut reading, mut writing) = tokio::io::split(greedy);
+    let sent = frame.clone();
+    let writer = tokio::spawn(async move {
+        writing.write_all(&sent).await.expect("writes");
+        writing
+    });
+    let mut back = vec![0; frame.len()];
+    tokio::time::timeout(Duration::from_secs(60), reading.read_exact(&mut back))
+        .await
+        .expect("the echo hung")
+        .expect("reads the echo");
+    assert!(back == frame, "the 3 MB echo came back changed");
+    let _greedy = reading.unsplit(writer.await.unwrap());
+    // The budget is taken now: a default client does not fit.
     refused(
-        greedy.connect_stream(&addr).await,
+        RdmaStream::connect(&addr).await,
         &format!("the server's budget of {budget} bytes"),
     );
-    let mut modest = RdmaStream::connect(&addr)
-        .await
-        .expect("a default connection fits the budget");
-    echoes(&mut modest).await;
-    // The budget is taken now: a second default one does not fit.
-    refused(RdmaStream::connect(&addr).await, "budget");
-    echoes(&mut modest).await;
 }
 
 /// A server sends from at most its own ring's slots, of at most its own

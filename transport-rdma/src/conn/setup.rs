@@ -209,21 +209,26 @@ impl SendSlots {
 }
 
 /// Bytes a connection may pin with our settings and the peer's geometry:
-/// our ring and region, send slots for the peer's ring within our own
-/// ([`SendSlots`], plus control and chunk slots), staging as large as the peer's region (registered with
-/// the first frame that needs it, which the peer's requests can cause),
+/// our ring, the region the peer writes, send slots for the peer's ring
+/// within our own ([`SendSlots`], plus control and chunk slots), staging
+/// as large as the region (both [`Hello::region_with`]: no larger than
+/// ours; registered with the first frame that needs it, which the peer's
+/// requests can cause),
 /// and our rendezvous pool when we read rendezvous transfers (registered
 /// as transfers arrive, so a peer can fill it).
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
-    let own = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size) + u64::from(cfg.region_len);
-    let slots = SendSlots::new(&cfg.hello(), peer);
+    let own_hello = cfg.hello();
+    let region = u64::from(own_hello.region_with(peer));
+    let ring = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size);
+    let slots = SendSlots::new(&own_hello, peer);
     let send = u64::from(slots.count + CTRL_SLOTS + HEAP_SLOTS) * u64::from(slots.size);
     let pool = if cfg.reads_rendezvous() {
         cfg.rendezvous_pool
     } else {
         0
     };
-    own + send + u64::from(peer.region_len) + pool
+    // The region the peer writes, and staging as large.
+    ring + region + send + region + pool
 }
 
 fn finish(
@@ -507,11 +512,11 @@ impl Established {
             ring_slots: own.ring_slots,
             initial_ring_slots: own.initial_slots,
             slot_size: own.slot_size as usize,
-            region_len: own.region_len.into(),
+            region_len: own.region_with(&peer).into(),
             peer_ring_slots: peer.ring_slots,
             peer_initial_ring_slots: peer.initial_slots,
             send_slots,
-            peer_region_len: peer.region_len.into(),
+            peer_region_len: own.region_with(&peer).into(),
             inline_max,
             max_frame_len: limits.max_frame_len,
             max_skip_len: limits.max_skip_len(),

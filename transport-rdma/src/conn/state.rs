@@ -27,7 +27,9 @@ use crate::verbs::{
 
 pub(super) struct Buffers {
     pub(super) ring: SlotMemory,
-    /// The length of the region ([`State::region`]).
+    /// The length of the region ([`State::region`]) and of staging
+    /// ([`State::staging`]), which mirrors the peer's region: the smaller
+    /// of the two sides' settings ([`proto::Hello::region_with`]).
     region_len: usize,
     /// Send slots, in memory order: data slots `0..FIRST_DATA_SLOTS`, the
     /// control and chunk slots, then the other data slots, in doublings
@@ -35,8 +37,6 @@ pub(super) struct Buffers {
     send: SlotMemory,
     /// Data send slots: the peer's ring's, or fewer (`make_half`).
     data_slots: u32,
-    /// The length of staging ([`State::staging`]): the peer's region's.
-    staging_len: usize,
     /// Rendezvous memory (transfers' segments, destinations), the region
     /// and staging are registered on it.
     pub(super) pd: ProtectionDomain,
@@ -84,9 +84,9 @@ unsafe impl Sync for Buffers {}
 
 impl Buffers {
     /// The connection's memory: the receive ring's first slots and the
-    /// send slots now; the ring's later parts, the region (`own.region_len`)
-    /// and staging (`peer_region_len`, mirroring the peer's region's
-    /// offsets) once needed.
+    /// send slots now; the ring's later parts, the region and staging
+    /// (mirroring the peer's region's offsets), both
+    /// [`region_with`](proto::Hello::region_with) long, once needed.
     pub(super) fn new(
         ring: SlotMemory,
         send: SlotMemory,
@@ -97,10 +97,9 @@ impl Buffers {
     ) -> Buffers {
         Buffers {
             ring,
-            region_len: own.region_len as usize,
+            region_len: own.region_with(&peer) as usize,
             send,
             data_slots,
-            staging_len: peer.region_len as usize,
             pd,
         }
     }
@@ -109,7 +108,7 @@ impl Buffers {
     /// 1 MiB). Fails only if the device or the locked-memory limit refuses
     /// the registration.
     pub(super) fn register_staging(&self) -> Result<MemoryRegion, crate::verbs::Error> {
-        MemoryRegion::new(&self.pd, self.staging_len, Access::LOCAL_WRITE)
+        MemoryRegion::new(&self.pd, self.region_len, Access::LOCAL_WRITE)
     }
 
     /// Registers a region for the peer of `qp` to write, and what the
@@ -766,7 +765,7 @@ impl State {
                 let peer_region = RemoteRegion {
                     addr,
                     rkey,
-                    len: mem.staging_len as u64,
+                    len: mem.region_len as u64,
                 };
                 // SAFETY: `staging[offset..offset + len]` holds this chunk,
                 // allocated to it until the peer reports it freed (after the

@@ -4,8 +4,9 @@ use super::{ProtocolError, HEADER_LEN};
 
 /// First bytes of every [`Hello`]: `"RRPC"`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RRPC");
-/// The protocol version this crate speaks.
-pub const VERSION: u16 = 7;
+/// The protocol version this crate speaks (8: each side's region is the
+/// smaller of the two announced, [`Hello::region_with`]).
+pub const VERSION: u16 = 8;
 /// Encoded length of a [`Hello`] (fits the 56 bytes `rdma_connect` carries).
 pub const HELLO_LEN: usize = 32;
 /// Set in a hello's flags when its side reads rendezvous transfers
@@ -35,7 +36,8 @@ pub struct Hello {
     /// Bytes per receive slot, header included.
     pub slot_size: u32,
     /// The length in bytes of the large-payload region it grants when
-    /// asked.
+    /// asked, at most: the connection's regions are the smaller of the two
+    /// sides' ([`region_with`](Self::region_with)).
     pub region_len: u32,
     /// This side takes rendezvous transfers: it RDMA READs announced frames
     /// into its pool. A side sends by rendezvous only to a peer that does,
@@ -51,11 +53,21 @@ pub struct HelloLimits {
     pub max_ring_slots: u32,
     /// Largest slot accepted.
     pub max_slot_size: u32,
-    /// Largest region accepted (it costs a staging region of that size here).
+    /// Largest region accepted.
     pub max_region_len: u32,
 }
 
 impl Hello {
+    /// The length of both regions of a connection between this side and
+    /// `peer`: the smaller of the two announced. Each side registers a
+    /// region that long for the other to write, and stages what it writes
+    /// in as much (staging mirrors the offsets it writes at), so neither
+    /// side pins more for the other's writes, or for its own, than its own
+    /// setting, whatever the other announces.
+    pub fn region_with(&self, peer: &Hello) -> u32 {
+        self.region_len.min(peer.region_len)
+    }
+
     /// Encodes the hello.
     pub fn to_bytes(&self) -> [u8; HELLO_LEN] {
         let mut b = [0; HELLO_LEN];

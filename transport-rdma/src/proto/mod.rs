@@ -26,12 +26,13 @@
 //!   work requests to post and frames to deliver out), which the verbs
 //!   layer drives and the simulation tests.
 //!
-//! # Wire protocol (version 7)
+//! # Wire protocol (version 8)
 //! Every message is one SEND into a receive slot, starting with a 32-byte
 //! [`Header`]. An `Inline` message carries a whole frame after the header.
 //! A `Chunk` message announces `len` bytes the sender has just RDMA-written
 //! into the receiver's region at `pos` (a position in the region's infinite
-//! byte stream: offset `pos % region_len`); on an RC queue pair the WRITE is
+//! byte stream: offset `pos % region_len`, `region_len` being the smaller
+//! of the two hellos' regions); on an RC queue pair the WRITE is
 //! in place before the SEND's receive completes. Each message also returns
 //! `credits` receive slots and the sender's region `freed_to` position.
 //! `Credit` messages carry only those; `Close` ends the stream. A
@@ -56,8 +57,9 @@
 //! (Version 2 added them; version 4 the region on request, where version 3
 //! put its address and rkey in the hello; version 5 the ring's first slots,
 //! where version 4 posted all of them; version 6 `RegionReturned`;
-//! version 7 `RingShrinks`; a peer of another version is refused at
-//! connect.)
+//! version 7 `RingShrinks`; version 8 regions the smaller of the two
+//! sides', where version 7 took each side's own; a peer of another
+//! version is refused at connect.)
 
 pub mod auth;
 mod connection;
