@@ -560,3 +560,45 @@ impl Established {
         (shared, id, cc)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_costs_a_listener_no_more_than_its_own_settings() {
+        let cfg = RdmaTransport::default();
+        let own = cfg.hello();
+        // The ring (64 × 8 KiB), the region and staging (1 MiB each), 64
+        // data, 4 control and 4 chunk send slots of 8 KiB.
+        let default = 64 * 8192 + 2 * (1 << 20) + 72 * 8192;
+        assert_eq!(pinned_bytes(&cfg, &own), default);
+        // The largest geometry `max_peer` admits by default cost 34 MiB
+        // when the listener mirrored it (264 send slots of 64 KiB and a
+        // 16 MiB staging region).
+        let largest = Hello {
+            ring_slots: 256,
+            initial_slots: 8,
+            slot_size: 64 << 10,
+            region_len: 16 << 20,
+            reads_rendezvous: false,
+        };
+        assert_eq!(pinned_bytes(&cfg, &largest), default);
+        assert_eq!(
+            SendSlots::new(&own, &largest),
+            SendSlots {
+                count: 64,
+                size: 8192
+            }
+        );
+        // A smaller peer costs less: send slots and regions as its own.
+        let small = Hello {
+            ring_slots: 8,
+            initial_slots: 4,
+            slot_size: 512,
+            region_len: 8192,
+            reads_rendezvous: false,
+        };
+        assert_eq!(pinned_bytes(&cfg, &small), 64 * 8192 + 2 * 8192 + 16 * 512);
+    }
+}
