@@ -68,9 +68,8 @@ pub(crate) struct Established {
     id: CmId,
     own: Hello,
     peer: Hello,
-    /// Our data send slots: the peer's ring's, or as many as our send
-    /// queue holds if that is fewer (see [`make_half`]).
-    send_slots: u32,
+    /// The data slots we send from.
+    send_slots: SendSlots,
     peer_addr: String,
     /// A server's connection: its share of the listener's admission.
     lease: Option<Lease>,
@@ -187,9 +186,9 @@ fn make_half(
     Ok(half)
 }
 
-/// The data slots an end sends from: one per slot of the peer's ring, as
-/// large as the peer's slots, but no more and no larger than its own ring
-/// has (`own`). A peer announcing a larger ring costs this side no more
+/// The data slots an end sends from (`count`, of `size` bytes): one per
+/// slot of the peer's ring, as large as the peer's slots, but no more and
+/// no larger than its own ring has (`own`). A peer announcing a larger ring costs this side no more
 /// send slots, send queue or slot memory than its own ring would: it
 /// takes frames as many at a time as this side's ring would let it send
 /// back, and those too large for this side's slots by its region.
@@ -244,23 +243,25 @@ fn finish(
     // uses as many as it has frames queued or in flight, the lowest first.
     // Each part is registered with the first SEND from it too long to go
     // inline.
-    let SendSlots { count, size } = SendSlots::new(&half.own, &peer);
-    // The client's queue was sized before it knew the server's ring.
-    let send_slots = count.min(half.send_slots);
-    let slot = size as usize;
+    let send_slots = SendSlots::new(&half.own, &peer);
+    // A client's queue, made before it knew the server's ring, is sized
+    // for its own ring (within the most it accepts), at least as many.
+    debug_assert!(send_slots.count <= half.send_slots);
+    let slot = send_slots.size as usize;
     let part = |n: u32| {
         let mr = MemoryRegion::unregistered(&half.pd, n as usize * slot, Access::LOCAL_WRITE);
         PartMemory::Own(mr)
     };
-    let mut data = FIRST_DATA_SLOTS.min(send_slots);
+    let data_slots = send_slots.count;
+    let mut data = FIRST_DATA_SLOTS.min(data_slots);
     let send = SlotMemory::new(
         part(data + CTRL_SLOTS + HEAP_SLOTS),
         data + CTRL_SLOTS + HEAP_SLOTS,
-        send_slots + CTRL_SLOTS + HEAP_SLOTS,
+        data_slots + CTRL_SLOTS + HEAP_SLOTS,
         slot,
     );
-    while data < send_slots {
-        let count = data.min(send_slots - data);
+    while data < data_slots {
+        let count = data.min(data_slots - data);
         send.add(count, part(count));
         data += count;
     }
@@ -507,7 +508,7 @@ impl Established {
             .map(|threshold| (PayloadPool::new(&pd, cfg.payload_pool), threshold));
         let inline_max = cfg
             .inline_threshold
-            .min(SendSlots::new(&own, &peer).size as usize - HEADER_LEN);
+            .min(send_slots.size as usize - HEADER_LEN);
         let mut proto = proto::Connection::new(proto::Config {
             ring_slots: own.ring_slots,
             initial_ring_slots: own.initial_slots,
@@ -515,7 +516,7 @@ impl Established {
             region_len: own.region_with(&peer).into(),
             peer_ring_slots: peer.ring_slots,
             peer_initial_ring_slots: peer.initial_slots,
-            send_slots,
+            send_slots: send_slots.count,
             peer_region_len: own.region_with(&peer).into(),
             inline_max,
             max_frame_len: limits.max_frame_len,
@@ -547,7 +548,7 @@ impl Established {
         };
         let shared = Arc::new(Shared {
             state: DropLater::new(Mutex::new(state)),
-            mem: DropLater::new(Buffers::new(ring, send, send_slots, pd, own, peer)),
+            mem: DropLater::new(Buffers::new(ring, send, send_slots.count, pd, own, peer)),
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
