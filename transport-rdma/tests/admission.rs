@@ -14,7 +14,7 @@ use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{TestEnv, IDLE_PER_END, PINNED_PER_END};
+use common::{send_queue_depth, TestEnv, IDLE_PER_END, PINNED_PER_END};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_rdma::proto::Hello;
 use transport_rdma::verbs::{
@@ -42,6 +42,25 @@ async fn echoes(stream: &mut RdmaStream) {
         .expect("the echo hung")
         .expect("reads the echo");
     assert_eq!(&back, b"ping");
+}
+
+/// Writes `len` bytes on `stream` while reading them back from the echo
+/// server, and checks them; returns the stream.
+async fn echoes_bytes(stream: RdmaStream, len: u32) -> RdmaStream {
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let (mut reading, mut writing) = tokio::io::split(stream);
+    let sent = bytes.clone();
+    let writer = tokio::spawn(async move {
+        writing.write_all(&sent).await.expect("writes");
+        writing
+    });
+    let mut back = vec![0; bytes.len()];
+    tokio::time::timeout(Duration::from_secs(60), reading.read_exact(&mut back))
+        .await
+        .expect("the echo hung")
+        .expect("reads the echo");
+    assert!(back == bytes, "the {len}-byte echo came back changed");
+    reading.unsplit(writer.await.unwrap())
 }
 
 fn refused(result: std::io::Result<RdmaStream>, says: &str) {
@@ -112,20 +131,7 @@ async fn a_listener_counts_a_greedy_client_at_its_own_settings_and_refuses_past_
     echoes(&mut greedy).await;
     // A frame larger than half the connection's 1 MiB regions goes in
     // chunks, from either side.
-    let frame: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
-    let (mut reading, mut writing) = tokio::io::split(greedy);
-    let sent = frame.clone();
-    let writer = tokio::spawn(async move {
-        writing.write_all(&sent).await.expect("writes");
-        writing
-    });
-    let mut back = vec![0; frame.len()];
-    tokio::time::timeout(Duration::from_secs(60), reading.read_exact(&mut back))
-        .await
-        .expect("the echo hung")
-        .expect("reads the echo");
-    assert!(back == frame, "the 3 MB echo came back changed");
-    let _greedy = reading.unsplit(writer.await.unwrap());
+    let _greedy = echoes_bytes(greedy, 3_000_000).await;
     // The budget is taken now: a default client does not fit.
     refused(
         RdmaStream::connect(&addr).await,
@@ -159,25 +165,13 @@ async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_t
         .expect("a client with a 256-slot ring of 64 KiB slots fits the server's budget");
     echoes(&mut largest).await;
     // Larger than the server's slots, smaller than the client's.
-    let frame: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
-    largest.write_all(&frame).await.expect("writes");
-    let mut back = vec![0; frame.len()];
-    tokio::time::timeout(Duration::from_secs(30), largest.read_exact(&mut back))
-        .await
-        .expect("the echo hung")
-        .expect("reads the echo");
-    assert!(back == frame, "the 40,000-byte echo came back changed");
+    let _largest = echoes_bytes(largest, 40_000).await;
     let dump = transport_rdma::debug_dump();
-    let depth = |client_end: bool| -> u32 {
-        let line = dump
-            .lines()
-            .find(|l| l.starts_with(&addr) == client_end)
-            .unwrap_or_else(|| panic!("both ends in the dump: {dump}"));
-        let depth = line.rsplit("send queue ").next().unwrap_or_default();
-        depth.parse().unwrap_or_else(|e| panic!("{e}: {line}"))
-    };
-    assert!((114..306).contains(&depth(false)), "{dump}");
-    assert!(depth(true) >= 306, "{dump}");
+    assert!(
+        (114..306).contains(&send_queue_depth(&dump, &addr, false)),
+        "{dump}"
+    );
+    assert!(send_queue_depth(&dump, &addr, true) >= 306, "{dump}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use rpc_test_support as support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{TestEnv, IDLE_PER_END};
+use common::{send_queue_depth, TestEnv, IDLE_PER_END};
 use rpc_core::transport::stats::{connection_stats, ConnectionStats, Side, TransportStat};
 use rpc_core::{BytesCodec, Channel, Client, Request};
 use support::TestServer;
@@ -101,17 +101,8 @@ async fn pinned_bytes_and_connections_follow_a_connection() {
     // many frames in flight), not for the largest ring a peer may
     // announce (256 slots, 546 when every data slot counted a WRITE).
     // The device may round them up (Soft-RoCE: 127).
-    let send_queue = |client_end: bool| {
-        let line = dump
-            .lines()
-            .find(|l| l.starts_with(server.address.as_str()) == client_end)
-            .unwrap_or_else(|| panic!("both ends in the dump: {dump}"));
-        let depth = line.rsplit("send queue ").next().unwrap_or_default();
-        depth
-            .parse::<u32>()
-            .unwrap_or_else(|e| panic!("{e}: {line}"))
-    };
-    let (client_end, server_end) = (send_queue(true), send_queue(false));
+    let client_end = send_queue_depth(&dump, &server.address, true);
+    let server_end = send_queue_depth(&dump, &server.address, false);
     assert!((114..162).contains(&client_end), "{dump}");
     assert_eq!(client_end, server_end, "{dump}");
     let server_side = support::eventually(Duration::from_secs(10), || {

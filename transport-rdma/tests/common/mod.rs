@@ -358,3 +358,16 @@ pub fn rdma_profile() -> rpc_test_support::cases::Profile {
         payload_sizes,
     }
 }
+
+/// The send queue depth, as the device reports it, of the client's end
+/// (`client_end`) or the server's end of the one connection to
+/// `server_address` in `dump` ([`transport_rdma::debug_dump`]): each end's
+/// line starts with its peer's address and ends with `send queue N`.
+pub fn send_queue_depth(dump: &str, server_address: &str, client_end: bool) -> u32 {
+    let line = dump
+        .lines()
+        .find(|l| l.starts_with(server_address) == client_end)
+        .unwrap_or_else(|| panic!("both ends in the dump: {dump}"));
+    let depth = line.rsplit("send queue ").next().unwrap_or_default();
+    depth.parse().unwrap_or_else(|e| panic!("{e}: {line}"))
+}
