@@ -245,12 +245,12 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                     Ok(mut guard) => guard.clear_ready(),
                     Err(e) => { shared.lock().fail(format!("waiting for completions: {e}")); continue; }
                 }
-                loop {
-                    match d.cq_fd.get_ref().0.try_take_event() {
-                        Ok(true) => {}
-                        Ok(false) => break,
-                        Err(e) => { shared.lock().fail(format!("reading the completion channel: {e}")); break; }
-                    }
+                // At most one event waits: an armed CQ raises one and is
+                // armed again only below, after it was taken. Reading on
+                // until the channel is empty cost a `read` that found
+                // nothing, every time.
+                if let Err(e) = d.cq_fd.get_ref().0.try_take_event() {
+                    shared.lock().fail(format!("reading the completion channel: {e}"));
                 }
                 if let Err(e) = shared.cq.arm() {
                     shared.lock().fail(format!("arming the completion queue: {e}"));
