@@ -835,6 +835,13 @@ pub struct Connection {
     // both
     lifecycle: Lifecycle,
     transmit: VecDeque<Transmit>,
+    /// No input since the last [`pump`](Self::pump): another would queue
+    /// nothing, so [`poll_transmit`](Self::poll_transmit) skips it (a
+    /// side flushes after every lock, most often with nothing new). Every
+    /// public `&mut self` method but `poll_transmit` and `take_wakeups`
+    /// clears it before it changes anything; debug builds check that a
+    /// skipped pump had nothing to do.
+    settled: bool,
     wake: Wakeups,
 }
 
@@ -908,6 +915,7 @@ impl Connection {
             control_out: VecDeque::new(),
             lifecycle: Lifecycle::Open,
             transmit: VecDeque::new(),
+            settled: false,
             wake: Wakeups::default(),
         }
     }
@@ -916,6 +924,7 @@ impl Connection {
     /// holds when one is free, and gives it their buffers once handed up
     /// ([`Reassembly::keep_buffers_in`]).
     pub fn keep_buffers_in(&mut self, kept: std::sync::Arc<rpc_core::kept::KeptBuffers>) {
+        self.settled = false;
         self.reassembly.keep_buffers_in(kept);
     }
 
@@ -955,6 +964,7 @@ impl Connection {
 
     /// Fails the connection (the first reason sticks); wakes everyone.
     pub fn fail(&mut self, reason: impl Into<String>) {
+        self.settled = false;
         if !matches!(self.lifecycle, Lifecycle::Failed(_)) {
             let reason = reason.into();
             tracing::debug!("RDMA connection failed: {reason}");
@@ -987,6 +997,7 @@ impl Connection {
     /// Asks to close our side: later sends are refused, `Close` goes after
     /// what is queued.
     pub fn close(&mut self) {
+        self.settled = false;
         if self.own_close() == OwnClose::No {
             self.set_own_close(OwnClose::Requested);
             // Senders waiting for credits or room fail now, as later ones do.
@@ -998,6 +1009,7 @@ impl Connection {
     /// `DISCONNECTED`). After the peer's `Close` that is the orderly end;
     /// before it, a failure. Take what is in the completion queue first.
     pub fn handle_disconnected(&mut self, event: &str) {
+        self.settled = false;
         let unfinished = !self.outgoing.is_empty()
             || self
                 .incoming
@@ -1028,6 +1040,7 @@ impl Connection {
     /// comes (the device's own retries may never end: a queue pair's ACK
     /// timeout can be infinite).
     pub fn probe(&mut self) {
+        self.settled = false;
         self.probe = true;
     }
 
@@ -1066,6 +1079,7 @@ impl Connection {
 
     /// The application wants to send a frame of `len` bytes.
     pub fn handle_send(&mut self, len: usize) -> SendDecision {
+        self.settled = false;
         if let Lifecycle::Failed(reason) = &self.lifecycle {
             return SendDecision::Refused(Refusal::Failed(reason.clone()));
         }
@@ -1179,6 +1193,7 @@ impl Connection {
     /// writes them before it lets go of this connection. `None`: send
     /// them as a frame of their own.
     pub fn append_inline(&mut self, len: usize) -> Option<(u32, usize)> {
+        self.settled = false;
         if !self.may_send() {
             return None;
         }
@@ -1211,6 +1226,7 @@ impl Connection {
     /// connection's guard, is refused if the connection failed or closed
     /// meanwhile (its place is given back).
     pub fn queue_frame(&mut self, r: Reservation, heap: Option<FrameBytes>) -> Result<(), Refusal> {
+        self.settled = false;
         let out = match r.place {
             Place::Inline { slot } => Out::Inline {
                 slot,
@@ -1276,6 +1292,7 @@ impl Connection {
     /// a region frame this must be the region's newest allocation: no
     /// other frame was reserved since (the caller held its guard).
     pub fn cancel_send(&mut self, r: Reservation) {
+        self.settled = false;
         match r.place {
             Place::Inline { slot } => self.free_send.put(slot),
             Place::Region {
@@ -1298,6 +1315,7 @@ impl Connection {
     /// `at`: the link's rate is measured from their post to their
     /// completion ([`Completion::at`]).
     pub fn handle_posted(&mut self, at: Instant) {
+        self.settled = false;
         self.chunk_pace.stamp(at);
         self.read_pace.stamp(at);
     }
@@ -1306,7 +1324,25 @@ impl Connection {
     /// the peer's free space allow, in order). `None` once failed.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         if self.transmit.is_empty() {
-            self.pump();
+            if !self.settled {
+                // Until a pass queues nothing (a pass sends one of `Close`,
+                // `RegionGranted` and `Credit`).
+                loop {
+                    let queued = self.transmit.len();
+                    self.pump();
+                    if self.transmit.len() == queued {
+                        break;
+                    }
+                }
+                self.settled = true;
+            } else if cfg!(debug_assertions) {
+                self.pump();
+                debug_assert!(
+                    self.transmit.is_empty(),
+                    "the protocol queued {:?} with no input since it last had nothing to send: an input did not clear `settled`",
+                    self.transmit.front()
+                );
+            }
         }
         self.transmit.pop_front()
     }
@@ -1633,6 +1669,7 @@ impl Connection {
 
     /// One work completion.
     pub fn handle_completion(&mut self, wc: Completion<'_>) {
+        self.settled = false;
         let Some((kind, index)) = WorkKind::from_wr_id(wc.wr_id) else {
             self.fail(format!(
                 "completion of an unknown work request {:#x}",
@@ -1981,6 +2018,7 @@ impl Connection {
     /// The application dropped a rendezvous frame of `len` bytes
     /// ([`Delivered::Pooled`]): its destination goes back to the pool.
     pub fn handle_pool_released(&mut self, len: usize) {
+        self.settled = false;
         self.pool_in_use = self.pool_in_use.saturating_sub(pool_charge(len));
     }
 
@@ -2056,6 +2094,9 @@ impl Connection {
             else {
                 return self.failure().map(|r| Delivered::Failed(r.to_string()));
             };
+            // Nothing changed until here: a poll that finds nothing to
+            // deliver (most) leaves the protocol settled.
+            self.settled = false;
             match arrived {
                 Arrived::Rendezvous { slot, transfer } => {
                     if self.reassembly.in_frame() {
@@ -2157,6 +2198,7 @@ impl Connection {
     /// The application dropped the frame it was handed in `slot`
     /// ([`Delivered::InSlot`]): the slot is reposted.
     pub fn handle_released(&mut self, slot: u32) {
+        self.settled = false;
         if matches!(self.lifecycle, Lifecycle::Failed(_)) {
             return;
         }
@@ -2174,6 +2216,7 @@ impl Connection {
     /// The frame of [`Delivered::CopyOut`] was copied out of `slot`: the
     /// slot is reposted.
     pub fn handle_copied(&mut self, slot: u32) {
+        self.settled = false;
         self.repost(slot);
     }
 
@@ -2196,6 +2239,7 @@ impl Connection {
     /// before then (it stays granted). From then on a frame that needs
     /// the region asks for it again. Returns whether it decided so.
     pub fn return_idle_region(&mut self) -> bool {
+        self.settled = false;
         let PeerRegion::Granted { addr, rkey } = self.peer_region else {
             return false;
         };
@@ -2218,6 +2262,7 @@ impl Connection {
     /// deregistered ([`Transmit::DeregisterRing`]), and the ring grows
     /// again as any ring does. Returns whether it decided so.
     pub fn shrink_idle_ring(&mut self) -> bool {
+        self.settled = false;
         // No growth while it shrinks (`RecvRing::wants_growth`).
         let due = self.ring.shrink_due();
         if !due
@@ -2275,6 +2320,7 @@ impl Connection {
     /// Our region is registered ([`Transmit::RegisterRegion`]): grant it
     /// to the peer.
     pub fn region_registered(&mut self, addr: u64, rkey: u32) {
+        self.settled = false;
         assert_eq!(
             self.own_region,
             OwnRegion::Registering,
@@ -2286,6 +2332,7 @@ impl Connection {
     /// The slots of [`Transmit::RegisterRing`] are registered: their
     /// receives are posted, and go to the peer as credits.
     pub fn ring_registered(&mut self) {
+        self.settled = false;
         assert_eq!(
             self.ring_growth,
             RingGrowth::Registering,
@@ -2306,6 +2353,7 @@ impl Connection {
     /// locked-memory limit, say): the connection goes on with the slots it
     /// has.
     pub fn ring_not_registered(&mut self) {
+        self.settled = false;
         self.ring_growth = RingGrowth::Done;
     }
 
@@ -3619,6 +3667,48 @@ mod tests {
 
     fn transmits(conn: &mut Connection) -> Vec<Transmit> {
         std::iter::from_fn(|| conn.poll_transmit()).collect()
+    }
+
+    #[test]
+    fn the_decision_pass_runs_again_only_after_an_input() {
+        let mut conn = connection();
+        let slots = Slots(vec![vec![0; 256]; RING_SLOTS as usize]);
+        transmits(&mut conn);
+        assert!(conn.settled);
+        // A poll with nothing to deliver changes nothing.
+        assert_eq!(conn.poll_delivery(&slots), None);
+        assert!(
+            conn.settled,
+            "a poll that delivered nothing unsettled the protocol"
+        );
+        assert_eq!(conn.poll_transmit(), None);
+        // A frame queued is an input: it goes at the next flush.
+        let SendDecision::Encode(reservation) = conn.handle_send(8) else {
+            panic!("no room for an inline frame")
+        };
+        conn.queue_frame(reservation, None).unwrap();
+        assert!(!conn.settled);
+        assert!(matches!(
+            transmits(&mut conn)[..],
+            [Transmit::Send {
+                kind: WorkKind::Send,
+                ..
+            }]
+        ));
+        // So is a frame arriving, and the poll that delivers it.
+        let mut header = Header::new(Kind::Inline);
+        header.len = 8;
+        let mut msg = vec![0; HEADER_LEN + 8];
+        header.encode((&mut msg[..HEADER_LEN]).try_into().unwrap());
+        complete(&mut conn, WorkKind::Recv.wr_id(0), &msg);
+        assert!(!conn.settled);
+        transmits(&mut conn);
+        assert!(matches!(
+            conn.poll_delivery(&slots),
+            Some(Delivered::InSlot { slot: 0, len: 8 } | Delivered::CopyOut { slot: 0, len: 8 })
+        ));
+        assert!(!conn.settled);
+        assert_eq!(conn.failure(), None);
     }
 
     #[test]
