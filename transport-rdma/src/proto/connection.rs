@@ -1322,29 +1322,41 @@ impl Connection {
 
     /// The next work request to post, if any (everything the credits and
     /// the peer's free space allow, in order). `None` once failed.
+    #[inline]
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         if self.transmit.is_empty() {
-            if !self.settled {
-                // Until a pass queues nothing (a pass sends one of `Close`,
-                // `RegionGranted` and `Credit`).
-                loop {
-                    let queued = self.transmit.len();
-                    self.pump();
-                    if self.transmit.len() == queued {
-                        break;
-                    }
-                }
-                self.settled = true;
-            } else if cfg!(debug_assertions) {
-                self.pump();
-                debug_assert!(
-                    self.transmit.is_empty(),
-                    "the protocol queued {:?} with no input since it last had nothing to send: an input did not clear `settled`",
-                    self.transmit.front()
-                );
+            // Most flushes end here, in the caller, with nothing new.
+            if self.settled && !cfg!(debug_assertions) {
+                return None;
             }
+            self.decide();
         }
         self.transmit.pop_front()
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit) with nothing queued: runs
+    /// the decision pass if anything came in since the last one.
+    #[inline(never)]
+    fn decide(&mut self) {
+        if !self.settled {
+            // Until a pass queues nothing (a pass sends one of `Close`,
+            // `RegionGranted` and `Credit`).
+            loop {
+                let queued = self.transmit.len();
+                self.pump();
+                if self.transmit.len() == queued {
+                    break;
+                }
+            }
+            self.settled = true;
+        } else {
+            self.pump();
+            debug_assert!(
+                self.transmit.is_empty(),
+                "the protocol queued {:?} with no input since it last had nothing to send: an input did not clear `settled`",
+                self.transmit.front()
+            );
+        }
     }
 
     /// Frees data slot `slot` (and a place for a region frame, if it held one).
