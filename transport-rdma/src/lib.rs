@@ -694,8 +694,14 @@ impl RdmaTransport {
     /// A connection's rendezvous settings, from the hellos: frames go by
     /// rendezvous only to a peer that reads them, and announcements are
     /// taken (into a pool this side counted in its pinned budget) only when
-    /// this side said it reads them.
-    pub(crate) fn rendezvous_config(&self, own: &Hello, peer: &Hello) -> proto::RendezvousConfig {
+    /// this side said it reads them. An announcement fills at most one of
+    /// the `send_slot_size`-byte slots this side sends from.
+    pub(crate) fn rendezvous_config(
+        &self,
+        own: &Hello,
+        peer: &Hello,
+        send_slot_size: usize,
+    ) -> proto::RendezvousConfig {
         proto::RendezvousConfig {
             threshold: self.rendezvous_threshold.filter(|_| peer.reads_rendezvous),
             pool_bytes: if own.reads_rendezvous {
@@ -706,7 +712,7 @@ impl RdmaTransport {
             read_chunk: RENDEZVOUS_READ_CHUNK,
             read_depth: RENDEZVOUS_READ_DEPTH,
             max_outgoing: RENDEZVOUS_MAX_OUTGOING,
-            announce_room: conn::SendSlots::new(own, peer).size as usize - HEADER_LEN,
+            announce_room: send_slot_size - HEADER_LEN,
         }
     }
 

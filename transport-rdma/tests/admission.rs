@@ -34,6 +34,17 @@ fn echo_server(mut listener: RdmaListener) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// Binds `server` on the test device and echoes what its clients send;
+/// returns the listener's address and the serving task.
+async fn serve_echo(
+    server: &RdmaTransport,
+    env: &TestEnv,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    (addr, echo_server(listener))
+}
+
 async fn echoes(stream: &mut RdmaStream) {
     stream.write_all(b"ping").await.expect("writes");
     let mut back = [0; 4];
@@ -75,9 +86,7 @@ fn refused(result: std::io::Result<RdmaStream>, says: &str) {
 async fn past_its_connection_limit_a_listener_refuses_and_says_why() {
     let env = TestEnv::from_env();
     let server = RdmaTransport::default().max_connections(2);
-    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&server, &env).await;
     let mut first = RdmaStream::connect(&addr).await.expect("first connects");
     let mut second = RdmaStream::connect(&addr).await.expect("second connects");
     refused(
@@ -119,9 +128,7 @@ async fn a_listener_counts_a_greedy_client_at_its_own_settings_and_refuses_past_
     // Room for one default connection, not two.
     let budget = PINNED_PER_END + (1 << 20);
     let server = RdmaTransport::default().max_pinned_bytes(budget);
-    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&server, &env).await;
     let mut greedy = RdmaTransport::default()
         .ring(256, 64 << 10)
         .region_len(16 << 20)
@@ -155,9 +162,7 @@ async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_t
     // with send slots as many and as large as the client's ring, 19 MiB.
     let budget = 4 << 20;
     let server = RdmaTransport::default().max_pinned_bytes(budget);
-    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&server, &env).await;
     let mut largest = RdmaTransport::default()
         .ring(256, 64 << 10)
         .connect_stream(&addr)
@@ -179,9 +184,7 @@ async fn a_client_announcing_a_larger_ring_costs_the_server_no_more_send_slots_t
 async fn a_hello_beyond_the_servers_limits_or_no_listener_is_refused_with_a_reason() {
     let env = TestEnv::from_env();
     let server = RdmaTransport::default().max_peer(64, 8192, 1 << 20);
-    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&server, &env).await;
     let big_region = RdmaTransport::default().region_len(2 << 20);
     refused(
         big_region.connect_stream(&addr).await,
@@ -206,9 +209,7 @@ async fn connections_with_an_ack_timeout_and_a_type_of_service_carry_data() {
     let cfg = RdmaTransport::default()
         .ack_timeout(Some(14))
         .type_of_service(Some(32));
-    let listener = cfg.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&cfg, &env).await;
     let mut stream = cfg.connect_stream(&addr).await.expect("connects");
     echoes(&mut stream).await;
 }
@@ -245,9 +246,7 @@ async fn a_storm_of_connect_requests_stays_within_the_budget_and_the_server_goes
     let server = RdmaTransport::default()
         .max_handshakes(8)
         .max_pinned_bytes(FIT * PINNED_PER_END);
-    let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-    let addr = listener.local_addr().to_string();
-    let _serving = echo_server(listener);
+    let (addr, _serving) = serve_echo(&server, &env).await;
     let attempts = (0..STORM).map(|_| {
         let addr = addr.clone();
         tokio::spawn(async move { RdmaStream::connect(&addr).await })
@@ -508,10 +507,8 @@ fn set_ups_hold_no_thread_so_stalled_clients_do_not_hold_up_good_ones() {
         let server = RdmaTransport::default()
             .max_handshakes(STALLED + ROOM)
             .connect_timeout(STALL);
-        let listener = server.bind_stream(&env.local_listen()).await.unwrap();
-        let addr = listener.local_addr().to_string();
+        let (addr, _serving) = serve_echo(&server, &env).await;
         let server_addr: SocketAddr = addr.strip_prefix("rdma://").unwrap().parse().unwrap();
-        let _serving = echo_server(listener);
 
         // Memory the earlier tests of this process have not freed yet is
         // freed on the transport's teardown thread meanwhile: wait until

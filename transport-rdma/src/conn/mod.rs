@@ -58,7 +58,7 @@ mod transfer;
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
-pub(crate) use setup::{accept, connect, pinned_bytes, SendSlots};
+pub(crate) use setup::{accept, connect, pinned_bytes};
 pub(crate) use state::pool_contains;
 pub use transfer::{rendezvous_bytes_sent, rendezvous_bytes_sent_from_pool, REGISTER_IN_PLACE_MIN};
 

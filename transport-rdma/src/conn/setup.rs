@@ -502,7 +502,7 @@ impl Established {
             lease,
             authenticated: _,
         } = self;
-        let rendezvous = cfg.rendezvous_config(&own, &peer);
+        let rendezvous = cfg.rendezvous_config(&own, &peer, send_slots.size as usize);
         let payloads = rendezvous
             .threshold
             .map(|threshold| (PayloadPool::new(&pd, cfg.payload_pool), threshold));

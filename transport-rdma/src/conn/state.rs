@@ -35,7 +35,7 @@ pub(super) struct Buffers {
     /// control and chunk slots, then the other data slots, in doublings
     /// ([`send_slot`](Self::send_slot)).
     send: SlotMemory,
-    /// Data send slots: the peer's ring's, or fewer (`make_half`).
+    /// Data send slots: the peer's ring's within our own ([`SendSlots`](super::setup::SendSlots)).
     data_slots: u32,
     /// Rendezvous memory (transfers' segments, destinations), the region
     /// and staging are registered on it.
