@@ -133,6 +133,7 @@ impl Client {
             id,
             replica,
             sender: None,
+            outcome_taken: false,
             _channel: self.channel.clone(),
         };
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -201,7 +202,7 @@ impl Client {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let mut avoid = None;
             loop {
-                let (call, _) = self
+                let (mut call, _) = self
                     .open(
                         path,
                         &metadata,
@@ -211,7 +212,7 @@ impl Client {
                         avoid,
                     )
                     .await?;
-                match receive_one::<C>(&call).await {
+                match receive_one::<C>(&mut call).await {
                     Err(status)
                         if retry && avoid.is_none() && status.code() == Code::Unavailable =>
                     {
@@ -280,10 +281,10 @@ impl Client {
         let deadline = self.deadline(&options);
         let intercepted = self.intercept(path, &mut metadata, deadline)?;
         let call = async {
-            let (call, _) = self
+            let (mut call, _) = self
                 .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single())
                 .await?;
-            receive_one::<C>(&call).await
+            receive_one::<C>(&mut call).await
         };
         let outcome = traced(path, deadline, call).await;
         self.intercepted_end(path, intercepted, &outcome);
@@ -380,9 +381,12 @@ impl Client {
 
 /// Receives a single response: one message, then an OK status.
 pub(super) async fn receive_one<C: Codec>(
-    call: &ActiveCall,
+    call: &mut ActiveCall,
 ) -> Result<Response<C::Decode>, Status> {
-    let (bytes, trailers) = std::future::poll_fn(|cx| call.conn.poll_single(call.id, cx)).await?;
+    let outcome = std::future::poll_fn(|cx| call.conn.poll_single(call.id, cx)).await;
+    // The call's slot went with its outcome: nothing is left to cancel.
+    call.outcome_taken = true;
+    let (bytes, trailers) = outcome?;
     Ok(Response::from_parts(C::decode(bytes)?, trailers))
 }
 
@@ -439,6 +443,8 @@ pub(super) struct ActiveCall {
     /// Which of the channel's replicas the call went to.
     pub(super) replica: usize,
     pub(super) sender: Option<AbortHandle>,
+    /// Its single response's outcome was taken (and its slot with it).
+    pub(super) outcome_taken: bool,
     /// Keeps the channel (and its connection) open while a stream outlives the client.
     pub(super) _channel: Channel,
 }
@@ -448,6 +454,8 @@ impl Drop for ActiveCall {
         if let Some(sender) = self.sender.take() {
             sender.abort();
         }
-        self.conn.cancel(self.id);
+        if !self.outcome_taken {
+            self.conn.cancel(self.id);
+        }
     }
 }

@@ -112,8 +112,11 @@ struct FinalInFlight<'a>(&'a ServerConn);
 
 impl Drop for FinalInFlight<'_> {
     fn drop(&mut self) {
-        let calls = self.0.calls();
-        if self.0.finishing.fetch_sub(1, Ordering::AcqRel) == 1 && calls.is_empty() {
+        // Only the drop that takes `finishing` to zero looks at the table:
+        // a call still in it ends later, by `end_call_for_final` (finishing
+        // again, so its own drop is such a last one) or by `end_call`
+        // (which notifies itself).
+        if self.0.finishing.fetch_sub(1, Ordering::AcqRel) == 1 && self.0.calls().is_empty() {
             self.0.idle.notify_one();
         }
     }
@@ -577,51 +580,46 @@ impl ServerConn {
             path,
             started,
         };
-        if !(self.routes.inline_handlers && end_stream) {
-            // Registered before the handler first runs (it ends the call by
-            // its id), with its task: the table stays locked while the task
-            // is spawned (which never runs it), so a handler that ends at once
-            // on another worker waits for its slot to be complete.
-            let mut calls = self.calls();
-            let slot = calls.entry(id).insert_entry(slot).into_mut();
-            let task = if span.is_disabled() && trace.is_none() {
-                let conn = Arc::clone(self);
-                self.runners.start(Job {
-                    conn,
-                    id,
-                    handler,
-                    deadline,
-                })
-            } else {
-                let run = run_call(Arc::clone(self), id, handler, deadline);
-                let task = match trace {
-                    None => spawn_in(span, run),
-                    Some(context) => spawn_in(span, context.scope(run)),
-                };
-                CallTask::Spawned(task.abort_handle())
-            };
-            slot.task = Some(task);
-            return;
-        }
-        // Inline: registered before the handler first runs on this reader.
+        // Registered before the handler first runs: it ends the call by its
+        // id. Its task is noted after the handler is handed to one, with the
+        // table unlocked meanwhile: handing it over wakes a task, which can
+        // take a system call (a parked worker woken), and the handlers of
+        // other calls lock the table to end theirs. A handler that ended
+        // first took its slot away, and the task is not noted. Nothing
+        // aborts the task in between: only this reader and its connection's
+        // end do, and both run on this task.
         self.calls().insert(id, slot);
-        match poll_inline(&span, trace, &mut handler) {
-            Inline::Finished => return,
-            Inline::Waiting => {}
-            Inline::Panicked(what) => {
-                let status = panicked(&self.call_path(id), &what);
-                let conn = Arc::clone(self);
-                tokio::spawn(async move { conn.finish(id, &status, None).await });
-                return;
+        let inline = self.routes.inline_handlers && end_stream;
+        if inline {
+            match poll_inline(&span, trace, &mut handler) {
+                Inline::Finished => return,
+                Inline::Waiting => {}
+                Inline::Panicked(what) => {
+                    let status = panicked(&self.call_path(id), &what);
+                    let conn = Arc::clone(self);
+                    tokio::spawn(async move { conn.finish(id, &status, None).await });
+                    return;
+                }
             }
         }
-        let run = run_call(Arc::clone(self), id, handler, deadline);
-        let task = match trace {
-            None => spawn_in(span, run),
-            Some(context) => spawn_in(span, context.scope(run)),
+        let task = if !inline && span.is_disabled() && trace.is_none() {
+            let conn = Arc::clone(self);
+            self.runners.start(Job {
+                conn,
+                id,
+                handler,
+                deadline,
+            })
+        } else {
+            let run = run_call(Arc::clone(self), id, handler, deadline);
+            let task = match trace {
+                None => spawn_in(span, run),
+                Some(context) => spawn_in(span, context.scope(run)),
+            };
+            CallTask::Spawned(task.abort_handle())
         };
         if let Some(slot) = self.calls().get_mut(&id) {
-            slot.task = Some(CallTask::Spawned(task.abort_handle()));
+            slot.task = Some(task);
         }
     }
 
