@@ -1339,15 +1339,11 @@ impl Connection {
     #[inline(never)]
     fn decide(&mut self) {
         if !self.settled {
-            // Until a pass queues nothing (a pass sends one of `Close`,
-            // `RegionGranted` and `Credit`).
-            loop {
-                let queued = self.transmit.len();
-                self.pump();
-                if self.transmit.len() == queued {
-                    break;
-                }
-            }
+            // Again while a pass ends with a control message: it sends one
+            // of `Close`, `RegionGranted` and `Credit`, and the next may
+            // send another. Nothing else a pass sends lets an earlier part
+            // of it send more (debug builds check it, below).
+            while self.pump() {}
             self.settled = true;
         } else {
             self.pump();
@@ -1530,13 +1526,15 @@ impl Connection {
         sent
     }
 
-    /// Decides whatever the credits and the peer's free space allow.
-    fn pump(&mut self) {
+    /// Decides whatever the credits and the peer's free space allow;
+    /// returns whether it ended with one of the control messages only one
+    /// of which goes per pass (`Close`, `RegionGranted`, `Credit`).
+    fn pump(&mut self) -> bool {
         if matches!(
             self.lifecycle,
             Lifecycle::Failed(_) | Lifecycle::Disconnected
         ) {
-            return;
+            return false;
         }
         // A chunk of a chunked frame at the front, then the inline frames
         // of other calls queued behind it, and again: small calls do not
@@ -1615,9 +1613,11 @@ impl Connection {
                     // Any control message answers a probe.
                     self.probe = false;
                     self.push_send(WorkKind::Control, slot, header, 0);
+                    return true;
                 }
             }
         }
+        false
     }
 
     /// Gives the pool to the peer's transfers in arrival order (one that
