@@ -269,7 +269,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                     shared.lock().fail(format!("arming the completion queue: {e}"));
                 }
             }
-            () = shared.wake_task.notified() => {}
+            () = std::future::poll_fn(|cx| shared.wake_task.poll_notified(cx)) => {}
             () = linger => {}
             _ = async { idle_checks.as_mut().expect("checked").tick().await }, if idle_checks.is_some() => {
                 let mut st = shared.lock();
@@ -312,6 +312,7 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
                 }
             }
         }
+        shared.wake_task.stop_waiting();
         if !completions_came {
             // Another branch woke the driver: the channel's waker, left
             // with tokio, would wake it again for an event that comes while

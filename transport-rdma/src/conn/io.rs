@@ -67,7 +67,7 @@ impl Drop for SlotGuard {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(self.slot);
-        self.shared.wake_task.notify_one();
+        self.shared.wake_task.notify();
     }
 }
 
@@ -326,7 +326,7 @@ impl RdmaSink {
     /// fail (`ConnectionReset`) rather than end.
     pub(crate) fn reset(&self, why: &str) {
         self.shared.lock().fail(why.to_string());
-        self.shared.wake_task.notify_one();
+        self.shared.wake_task.notify();
     }
 
     /// The peer's address, `rdma://IP:PORT`.
@@ -381,7 +381,7 @@ impl FrameSink for RdmaSink {
         drop(st);
         // The driver looks at every turn of its loop: one now, for what
         // completed before this waiter came.
-        self.shared.wake_task.notify_one();
+        self.shared.wake_task.notify();
         Poll::Pending
     }
 }
@@ -390,7 +390,7 @@ impl Drop for RdmaSink {
     fn drop(&mut self) {
         self.close();
         self.shared.lock().handles -= 1;
-        self.shared.wake_task.notify_one();
+        self.shared.wake_task.notify();
     }
 }
 
@@ -590,7 +590,7 @@ impl Spin {
 impl Drop for RdmaSource {
     fn drop(&mut self) {
         self.shared.lock().handles -= 1;
-        self.shared.wake_task.notify_one();
+        self.shared.wake_task.notify();
     }
 }
 

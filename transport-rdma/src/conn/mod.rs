@@ -54,6 +54,7 @@ mod setup;
 mod slots;
 mod state;
 mod transfer;
+mod wake;
 
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};

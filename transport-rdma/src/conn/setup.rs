@@ -23,7 +23,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rpc_core::transport::{FrameLimits, TransportError, OVERSIZED_PREFIX_LEN};
-use tokio::sync::Notify;
 
 use super::cm_events::{event, CmEvents, Event};
 use super::first_slots::FirstSlots;
@@ -552,7 +551,7 @@ impl Established {
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
-            wake_task: Notify::new(),
+            wake_task: Default::default(),
             payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,

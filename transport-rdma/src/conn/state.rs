@@ -11,7 +11,6 @@ use std::task::{Context, Waker};
 use std::time::Instant;
 
 use rpc_core::transport::TransportError;
-use tokio::sync::Notify;
 
 use super::slots::SlotMemory;
 use crate::proto::{
@@ -378,7 +377,7 @@ pub(super) struct Shared {
     /// Rendezvous frames the application dropped while the state was
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
-    pub(super) wake_task: Notify,
+    pub(super) wake_task: super::wake::DriverWake,
     /// Payload buffers for frames going by rendezvous (frames at least
     /// this long), if they go so to this peer.
     pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
@@ -432,7 +431,7 @@ impl Shared {
                 .unwrap_or_else(|e| e.into_inner())
                 .push((len, destination)),
         }
-        self.wake_task.notify_one();
+        self.wake_task.notify();
     }
 }
 
@@ -570,7 +569,7 @@ impl Drop for Locked<'_> {
         }
         if !self.driver && st.qp.queued_bytes() > POST_HERE_UP_TO {
             drop(st);
-            self.shared.wake_task.notify_one();
+            self.shared.wake_task.notify();
             return;
         }
         st.posting = true;
@@ -1012,14 +1011,14 @@ impl LiveConnection for Shared {
         }
         drop(st);
         // The driver disconnects and ends.
-        self.wake_task.notify_one();
+        self.wake_task.notify();
         newly
     }
 
     fn end_from_cm_event(&self, event: &str) {
         // The first such event counts; the driver acts on it.
         let _ = self.ended_by_cm.set(event.to_string());
-        self.wake_task.notify_one();
+        self.wake_task.notify();
     }
 
     fn summary(&self) -> String {
