@@ -13,7 +13,8 @@
 //! recording on both sides), `rpc-intercept` (`rpc` with an interceptor
 //! that does nothing on both sides: the hooks' own cost), `rpc-inline`
 //! (`rpc` with the server's handlers run on the connection's reader:
-//! `ServerBuilder::inline_handlers`), `tonic` (tonic's generated `Echo`
+//! `ServerBuilder::inline_handlers`), `rpc-deadline` (`rpc` with a 10 s
+//! timeout on every call: the deadline's cost, both sides), `tonic` (tonic's generated `Echo`
 //! over loopback TCP, the same proto) or `raw` (length-prefixed frames over loopback TCP,
 //! no RPC: the floor). Per call = (count at 2,200 calls − count at 200) /
 //! 2,000, so set-up cancels out; `cargo xtask bench --instructions` runs it.
@@ -27,7 +28,7 @@ use rpc_core::{Endpoint, Server, ServerBuilder};
 use rpc_metrics::RpcMetrics;
 
 const USAGE: &str = "usage: call-instructions \
-    rpc|rpc-64|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|tonic|raw CALLS SIZE";
+    rpc|rpc-64|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|rpc-deadline|tonic|raw CALLS SIZE";
 
 /// Calls `rpc-64` keeps in flight.
 const IN_FLIGHT: usize = 64;
@@ -59,6 +60,10 @@ async fn main() -> Result<(), Error> {
             let pass = |_: &mut CallHead<'_>| Ok(());
             let server = Server::builder().intercept(pass);
             custom(server, |e| e.intercept(pass), calls, &payload).await
+        }
+        "rpc-deadline" => {
+            let endpoint = |e: Endpoint| e.timeout(std::time::Duration::from_secs(10));
+            custom(Server::builder(), endpoint, calls, &payload).await
         }
         "rpc-inline" => {
             let server = Server::builder().inline_handlers(true);

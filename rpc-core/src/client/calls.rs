@@ -228,7 +228,10 @@ impl Client {
             // Nothing to wrap it in: awaited in place, not moved into wrappers.
             call.await
         } else {
-            traced_in(span, deadline, call).await
+            // Pinned here, once: the wrappers take a pointer to it. Moved
+            // into them by value, the call future was copied at each level
+            // (8 copies a call with a deadline, ~950 instructions, callgrind).
+            traced_in(span, deadline, std::pin::pin!(call)).await
         };
         self.intercepted_end(path, intercepted, &outcome);
         outcome

@@ -21,7 +21,7 @@ pub(crate) const MARKERS: (&str, &str) = (
 );
 
 /// The programs counted: `call-instructions` argument, and the row's title.
-const SYSTEMS: [(&str, &str); 8] = [
+const SYSTEMS: [(&str, &str); 9] = [
     ("raw", "raw length-prefixed echo, loopback TCP (floor)"),
     ("rpc", "rdma-rpc over `tcp://`"),
     (
@@ -31,6 +31,10 @@ const SYSTEMS: [(&str, &str); 8] = [
     (
         "rpc-inline",
         "rdma-rpc over `tcp://`, handlers run on the reader (`inline_handlers`)",
+    ),
+    (
+        "rpc-deadline",
+        "rdma-rpc over `tcp://`, every call with a timeout (the deadline's cost)",
     ),
     ("rpc-mem", "rdma-rpc over `mem://`"),
     (
