@@ -99,6 +99,7 @@ mod message;
 mod payload;
 mod server;
 mod status;
+mod timeout;
 
 pub use client::{
     AddressError, Balance, Channel, Client, ConnectError, Endpoint, DEFAULT_MAX_MESSAGE_SIZE,

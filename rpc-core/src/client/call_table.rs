@@ -7,6 +7,7 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use slab::Slab;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::flow::SendWindow;
 use crate::frame::{peek_head, Frame, FrameBody, FrameKind, OutBody, OutFrame};
@@ -17,6 +18,7 @@ use crate::status::Status;
 use crate::transport::stats::ConnectionCounters;
 use crate::transport::{Connection, FrameSink, FrameSource, TransportError};
 
+use super::deadlines::DeadlineTimer;
 use super::endpoint::ChannelConfig;
 
 /// One connection's client state: the table of open calls and its reader.
@@ -44,6 +46,8 @@ pub(crate) struct ClientConn {
     /// with the source locked; read without, to skip the lock when not
     /// armed (a caller sees its own id unless someone wrote another since).
     armed_by: AtomicU64,
+    /// The reader task's runtime, where the deadline timer is made.
+    runtime: tokio::runtime::Handle,
 }
 
 /// The connection's source, and who waits on it.
@@ -77,6 +81,9 @@ enum Read {
     AtLimit,
 }
 
+/// Why a call that waited past its deadline failed.
+pub(super) const DEADLINE_PASSED: &str = "deadline exceeded before the server answered";
+
 /// Frames one poll reads at most (the reader task's, or a caller's)
 /// before it lets the runtime's other tasks (and the keepalive timer) run.
 const FRAMES_PER_POLL: usize = 64;
@@ -85,6 +92,8 @@ pub(super) struct CallTable {
     pub(super) slots: Slab<CallSlot>,
     pub(super) generation: u32,
     pub(super) phase: Phase,
+    /// Set no later than the earliest `deadline` of the slots.
+    deadlines: DeadlineTimer,
 }
 
 pub(super) enum Phase {
@@ -102,6 +111,9 @@ pub(super) struct CallSlot {
     pub(super) window: Option<Arc<SendWindow>>,
     /// Bytes of response-stream messages received, held to the window granted.
     pub(super) received: u64,
+    /// When the reader task ends the call (`DeadlineExceeded`), if its
+    /// single response has not come by then: see [`DeadlineTimer`].
+    deadline: Option<Instant>,
 }
 
 /// What a call with a single response message (unary, client-streaming)
@@ -210,6 +222,7 @@ impl ClientConn {
                 slots: Slab::new(),
                 generation: 0,
                 phase: Phase::Open,
+                deadlines: DeadlineTimer::default(),
             }),
             source: Mutex::new(SourceSlot {
                 source: connection.source,
@@ -219,6 +232,7 @@ impl ClientConn {
             }),
             received: AtomicU64::new(0),
             armed_by: AtomicU64::new(0),
+            runtime: tokio::runtime::Handle::current(),
         });
         let reader = Arc::clone(&conn).read_loop(config.keepalive);
         tokio::spawn(async move {
@@ -376,10 +390,13 @@ impl ClientConn {
 
     /// Registers a call; a connection that takes no more calls (draining or
     /// closed) hands the inbox back with the reason, for the call to go elsewhere.
+    /// A call with a single response that has not come by `deadline` is
+    /// ended then, `DeadlineExceeded` (its caller need not time it).
     pub(super) fn open_call(
         &self,
         window: Option<Arc<SendWindow>>,
         inbox: Inbox,
+        deadline: Option<Instant>,
     ) -> Result<u64, (Status, Inbox)> {
         let mut table = self.table();
         match &table.phase {
@@ -390,6 +407,10 @@ impl ClientConn {
             }
             Phase::Closed(status) => return Err((status.clone(), inbox)),
         }
+        let deadline = deadline.filter(|_| matches!(inbox, Inbox::Single { .. }));
+        if let Some(deadline) = deadline {
+            table.deadlines.arm(deadline, &self.runtime);
+        }
         table.generation = table.generation.wrapping_add(1);
         let generation = table.generation;
         let key = table.slots.insert(CallSlot {
@@ -397,8 +418,38 @@ impl ClientConn {
             inbox,
             window,
             received: 0,
+            deadline,
         });
         Ok((generation as u64) << 32 | key as u64)
+    }
+
+    /// The reader task's wait for the deadline timer: when it fires, ends
+    /// the calls whose deadline passed and arms it for the earliest left.
+    fn poll_deadlines(&self, cx: &mut Context<'_>) -> Poll<()> {
+        std::task::ready!(self.table().deadlines.poll_fired(cx));
+        let now = Instant::now();
+        let mut due = Vec::new();
+        {
+            let mut table = self.table();
+            let mut next: Option<Instant> = None;
+            for (key, slot) in &table.slots {
+                match slot.deadline {
+                    Some(_) if !slot.inbox.is_open() => {}
+                    Some(deadline) if deadline <= now => {
+                        due.push((slot.generation as u64) << 32 | key as u64);
+                    }
+                    Some(deadline) => next = Some(next.map_or(deadline, |n| n.min(deadline))),
+                    None => {}
+                }
+            }
+            if let Some(next) = next {
+                table.deadlines.arm(next, &self.runtime);
+            }
+        }
+        for id in due {
+            self.fail_call(id, Status::deadline_exceeded(DEADLINE_PASSED));
+        }
+        Poll::Ready(())
     }
 
     /// Ends call `id` with `status` (after `message`, the last response
@@ -584,6 +635,7 @@ impl ClientConn {
                         break reason;
                     }
                 }
+                () = std::future::poll_fn(|cx| self.poll_deadlines(cx)) => {}
                 tick = timer.tick(&self.received), if timer.enabled() => match tick {
                     Tick::Ping => {
                         // Never waits: with no room (a dead peer grants
@@ -812,6 +864,72 @@ mod tests {
         }
     }
 
+    /// A connection ends each call waiting for its response at the call's
+    /// deadline, with one timer: brought forward for a deadline earlier
+    /// than all those open, and when it fires for a call that has ended,
+    /// moved to the next deadline open. The callers here wait with no
+    /// timer of their own and the server never answers the calls that
+    /// fail: only the connection's timer ends them.
+    #[tokio::test(start_paused = true)]
+    async fn each_call_ends_at_its_own_deadline_whatever_the_others() {
+        let wire = Wire::default();
+        let connection = Connection {
+            sink: Arc::new(crate::transport::AlwaysRoom),
+            source: Box::new(wire.clone()),
+            peer: "test peer".to_string(),
+            identity: None,
+        };
+        let config = ChannelConfig {
+            keepalive: None,
+            ..crate::Endpoint::new("mem://unused").unwrap().config
+        };
+        let conn = ClientConn::start(
+            connection,
+            &config,
+            ConnectionCounters::of("test", Side::Client),
+        );
+        tokio::task::yield_now().await; // the reader task polls and waits
+        let conn = &conn;
+        let open = |after: u64| {
+            let deadline = Instant::now() + Duration::from_millis(after);
+            conn.open_call(None, Inbox::single(), Some(deadline))
+                .ok()
+                .unwrap()
+        };
+        let outcome = |id| async move {
+            let answer = std::future::poll_fn(move |cx| conn.poll_single(id, cx));
+            tokio::time::timeout(Duration::from_secs(60), answer)
+                .await
+                .expect("the call was not ended at its deadline")
+        };
+        let assert_ends_at = |result: SingleResponse, started: Instant, after: u64| {
+            let status = result.expect_err("the call was answered");
+            assert_eq!(status.code(), crate::Code::DeadlineExceeded, "{status}");
+            assert_eq!(started.elapsed(), Duration::from_millis(after));
+        };
+
+        let long = open(30_000);
+        // Earlier than the deadline the timer is set for.
+        let started = Instant::now();
+        let early = open(300);
+        assert_ends_at(outcome(early).await, started, 300);
+        // A call that ends before its deadline leaves the timer there;
+        // the next call's later deadline still holds.
+        let quick = open(100);
+        wire.arrive(quick, "quick");
+        wire.notify();
+        assert_eq!(outcome(quick).await.unwrap().0, "quick");
+        let started = Instant::now();
+        let later = open(400);
+        assert_ends_at(outcome(later).await, started, 400);
+        // And the first one's, once alone.
+        assert_ends_at(
+            outcome(long).await,
+            started - Duration::from_millis(300),
+            30_000,
+        );
+    }
+
     /// The only call's caller reads its answer before the event for it
     /// wakes the reader task, and leaves its own waker with the source in
     /// place of the reader task's: the answers to the calls after it must
@@ -844,7 +962,7 @@ mod tests {
             "the reader task polled"
         );
 
-        let lone = conn.open_call(None, Inbox::single()).ok().unwrap();
+        let lone = conn.open_call(None, Inbox::single(), None).ok().unwrap();
         wire.arrive(lone, "lone");
         let (reply, _) = std::future::poll_fn(|cx| conn.poll_single(lone, cx))
             .await
@@ -852,8 +970,8 @@ mod tests {
         assert_eq!(reply, "lone");
         wire.notify();
 
-        let first = conn.open_call(None, Inbox::single()).ok().unwrap();
-        let second = conn.open_call(None, Inbox::single()).ok().unwrap();
+        let first = conn.open_call(None, Inbox::single(), None).ok().unwrap();
+        let second = conn.open_call(None, Inbox::single(), None).ok().unwrap();
         let answers = async {
             tokio::task::yield_now().await; // both callers wait first
             wire.arrive(first, "first");

@@ -1,7 +1,8 @@
 //! [`Client`]: typed calls (unary, streaming) over a [`Channel`], under their deadlines.
 
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -20,8 +21,9 @@ use crate::message::{
 };
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
+use crate::timeout::{DeadlinePassed, LazyTimeout};
 
-use super::call_table::{ClientConn, Inbox};
+use super::call_table::{ClientConn, Inbox, DEADLINE_PASSED};
 use super::channel::{Channel, Picked};
 
 /// Makes typed calls on a [`Channel`]; what generated clients wrap.
@@ -118,7 +120,7 @@ impl Client {
         let mut tries = self.channel.replica_count().min(2);
         let (conn, replica, id) = loop {
             let Picked { conn, replica } = self.channel.pick(avoid_replica).await?;
-            match conn.open_call(window.clone(), inbox) {
+            match conn.open_call(window.clone(), inbox, deadline) {
                 Ok(id) => break (conn, replica, id),
                 Err((status, _)) if tries <= 1 => return Err(status),
                 Err((_, returned)) => {
@@ -198,10 +200,12 @@ impl Client {
         let deadline = self.deadline(&options);
         let intercepted = self.intercept(path, &mut metadata, deadline)?;
         let retry = options.idempotent && self.channel.replica_count() > 1;
+        let waiting = AtomicBool::new(false);
         let call = async {
             let payload = Encodable::<C>::new(&message, self.channel.config().max_message_size)?;
             let mut avoid = None;
             loop {
+                waiting.store(false, Ordering::Relaxed);
                 let (mut call, _) = self
                     .open(
                         path,
@@ -212,7 +216,7 @@ impl Client {
                         avoid,
                     )
                     .await?;
-                match receive_one::<C>(&mut call).await {
+                match receive_one::<C>(&mut call, &waiting).await {
                     Err(status)
                         if retry && avoid.is_none() && status.code() == Code::Unavailable =>
                     {
@@ -231,7 +235,7 @@ impl Client {
             // Pinned here, once: the wrappers take a pointer to it. Moved
             // into them by value, the call future was copied at each level
             // (8 copies a call with a deadline, ~950 instructions, callgrind).
-            traced_in(span, deadline, std::pin::pin!(call)).await
+            under_deadline(span, deadline, &waiting, pin!(call)).await
         };
         self.intercepted_end(path, intercepted, &outcome);
         outcome
@@ -283,13 +287,15 @@ impl Client {
         let (stream, mut metadata, options) = request.into_parts();
         let deadline = self.deadline(&options);
         let intercepted = self.intercept(path, &mut metadata, deadline)?;
+        let waiting = AtomicBool::new(false);
         let call = async {
             let (mut call, _) = self
                 .open_sending::<C, S>(path, &metadata, deadline, stream, Inbox::single())
                 .await?;
-            receive_one::<C>(&mut call).await
+            receive_one::<C>(&mut call, &waiting).await
         };
-        let outcome = traced(path, deadline, call).await;
+        let span = tracing::debug_span!("rpc.client", method = path);
+        let outcome = under_deadline(span, deadline, &waiting, pin!(call)).await;
         self.intercepted_end(path, intercepted, &outcome);
         outcome
     }
@@ -382,10 +388,14 @@ impl Client {
     }
 }
 
-/// Receives a single response: one message, then an OK status.
+/// Receives a single response: one message, then an OK status. Sets
+/// `waiting` while it waits: the connection then ends the call at its
+/// deadline (see [`under_deadline`]).
 pub(super) async fn receive_one<C: Codec>(
     call: &mut ActiveCall,
+    waiting: &AtomicBool,
 ) -> Result<Response<C::Decode>, Status> {
+    waiting.store(true, Ordering::Relaxed);
     let outcome = std::future::poll_fn(|cx| call.conn.poll_single(call.id, cx)).await;
     // The call's slot went with its outcome: nothing is left to cancel.
     call.outcome_taken = true;
@@ -400,41 +410,47 @@ pub(super) async fn traced<T>(
     call: impl Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
     let span = tracing::debug_span!("rpc.client", method = path);
-    traced_in(span, deadline, call).await
+    let not_waiting = AtomicBool::new(false);
+    under_deadline(span, deadline, &not_waiting, pin!(call)).await
 }
 
-/// Runs a call under its deadline, in `span`.
-pub(super) async fn traced_in<T>(
+/// Runs a call under its deadline, in `span`. While `waiting` is set (by
+/// [`receive_one`]), the call waits for its single response on a
+/// connection that ends it at its deadline (`ClientConn::open_call`): it
+/// needs a timer of its own only while it waits for anything else
+/// (connecting, room to send), and makes one then ([`LazyTimeout`]).
+async fn under_deadline<T>(
     span: tracing::Span,
     deadline: Option<Instant>,
-    call: impl Future<Output = Result<T, Status>>,
+    waiting: &AtomicBool,
+    call: Pin<&mut impl Future<Output = Result<T, Status>>>,
 ) -> Result<T, Status> {
-    if span.is_disabled() {
-        // No subscriber wants it: skip the span's enter and exit on every poll.
-        return with_deadline(deadline, call).await;
-    }
-    with_deadline(deadline, call).instrument(span).await
+    let deadline = match deadline {
+        None => return in_span(span, call).await,
+        // A timeout of zero (or a deadline already past) fails at once, as
+        // in gRPC, without connecting or sending anything: a timer is only
+        // looked at after a first poll of the call, which may send the
+        // request.
+        Some(deadline) if deadline <= Instant::now() => {
+            return Err(Status::deadline_exceeded(
+                "deadline exceeded before the request was sent (timeout of zero)",
+            ))
+        }
+        Some(deadline) => deadline,
+    };
+    let call = LazyTimeout::new(call, deadline).covered_by(waiting);
+    in_span(span, call)
+        .await
+        .unwrap_or_else(|DeadlinePassed| Err(Status::deadline_exceeded(DEADLINE_PASSED)))
 }
 
-pub(super) async fn with_deadline<T>(
-    deadline: Option<Instant>,
-    call: impl Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
-    match deadline {
-        None => call.await,
-        // A timeout of zero (or a deadline already past) fails at once, as
-        // in gRPC, without connecting or sending anything: `timeout_at` would
-        // poll the call once first, and that poll may send the request.
-        Some(deadline) if deadline <= Instant::now() => Err(Status::deadline_exceeded(
-            "deadline exceeded before the request was sent (timeout of zero)",
-        )),
-        Some(deadline) => tokio::time::timeout_at(deadline, call)
-            .await
-            .unwrap_or_else(|_| {
-                Err(Status::deadline_exceeded(
-                    "deadline exceeded before the server answered",
-                ))
-            }),
+/// Runs `call` in `span`; with no subscriber wanting it, without the
+/// span's enter and exit on every poll.
+async fn in_span<F: Future>(span: tracing::Span, call: F) -> F::Output {
+    if span.is_disabled() {
+        call.await
+    } else {
+        call.instrument(span).await
     }
 }
 

@@ -9,6 +9,7 @@
 mod call_table;
 mod calls;
 mod channel;
+mod deadlines;
 mod endpoint;
 
 pub use calls::Client;

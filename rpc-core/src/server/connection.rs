@@ -25,6 +25,7 @@ use crate::keepalive::{KeepaliveTimer, Tick, DEFAULT_KEEPALIVE};
 use crate::message::Inbound;
 use crate::metadata::MetadataMap;
 use crate::status::Status;
+use crate::timeout::LazyTimeout;
 use crate::trace::TraceContext;
 use crate::transport::{BoxFuture, Connection, FrameSink, FrameSource, TransportError};
 
@@ -773,12 +774,13 @@ pub(super) async fn run_call(
     deadline: Option<Instant>,
 ) {
     let handler = AssertUnwindSafe(handler).catch_unwind();
-    // The timer and the rare ending's frame are boxed: held inline they
-    // would make every call's task larger, and tokio copies a task's
-    // future several times as it spawns, runs and retires it.
+    // The timer (made only if the handler waits) and the rare ending's
+    // frame are boxed: held inline they would make every call's task
+    // larger, and tokio copies a task's future several times as it
+    // spawns, runs and retires it.
     let outcome = match deadline {
         None => Ok(handler.await),
-        Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, handler)).await,
+        Some(deadline) => LazyTimeout::new(handler, deadline).await,
     };
     let status = match outcome {
         Ok(Ok(())) => return, // the handler sent its own final status
