@@ -61,6 +61,27 @@ struct SourceSlot {
     closed: bool,
 }
 
+/// Held by the reader task: ends the connection's calls if the task stops
+/// without having ended them (it panicked, or its runtime shut down with
+/// calls from another runtime waiting), so that none waits for ever, nor
+/// for a deadline only the reader task times.
+struct EndCallsIfStopped(Arc<ClientConn>);
+
+impl Drop for EndCallsIfStopped {
+    fn drop(&mut self) {
+        let conn = &self.0;
+        if matches!(conn.table().phase, Phase::Closed(_)) {
+            return; // ended as usual
+        }
+        conn.source().closed = true;
+        conn.fail_all(Status::unavailable(format!(
+            "the connection to {} stopped reading (its reader task panicked, or its runtime shut down)",
+            conn.peer
+        )));
+        conn.sink.close();
+    }
+}
+
 /// What [`ClientConn::take_single`] found.
 enum Single {
     Outcome(SingleResponse),
@@ -235,8 +256,10 @@ impl ClientConn {
             runtime: tokio::runtime::Handle::current(),
         });
         let reader = Arc::clone(&conn).read_loop(config.keepalive);
+        let ends_calls = EndCallsIfStopped(Arc::clone(&conn));
         tokio::spawn(async move {
             let _open = open;
+            let _ends_calls = ends_calls;
             reader.await;
         });
         conn
@@ -928,6 +951,134 @@ mod tests {
             started - Duration::from_millis(300),
             30_000,
         );
+    }
+
+    /// A source that has nothing to read, then panics once told to.
+    #[derive(Clone, Default)]
+    struct Panicking(Arc<Mutex<(bool, Option<Waker>)>>);
+
+    impl FrameSource for Panicking {
+        fn poll_recv(
+            &mut self,
+            cx: &mut Context<'_>,
+        ) -> Poll<Result<Option<Bytes>, TransportError>> {
+            let mut state = self.0.lock().unwrap();
+            if state.0 {
+                drop(state);
+                panic!("this test's source panics when polled");
+            }
+            state.1 = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+
+    /// A reader task that panics ends the calls waiting on its
+    /// connection, `Unavailable`: they do not wait for a deadline only the
+    /// reader task times, or for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_reader_task_that_panics_ends_the_calls_waiting_on_it() {
+        let source = Panicking::default();
+        let connection = Connection {
+            sink: Arc::new(crate::transport::AlwaysRoom),
+            source: Box::new(source.clone()),
+            peer: "test peer".to_string(),
+            identity: None,
+        };
+        let config = ChannelConfig {
+            keepalive: None,
+            ..crate::Endpoint::new("mem://unused").unwrap().config
+        };
+        let conn = ClientConn::start(
+            connection,
+            &config,
+            ConnectionCounters::of("test", Side::Client),
+        );
+        tokio::task::yield_now().await; // the reader task polls and waits
+        let deadline = Instant::now() + Duration::from_secs(3600);
+        let open = || {
+            conn.open_call(None, Inbox::single(), Some(deadline))
+                .ok()
+                .unwrap()
+        };
+        // Two calls: their callers wait, and the reader task reads.
+        let (first, second) = (open(), open());
+        let conn = &conn;
+        let outcome = |id| std::future::poll_fn(move |cx| conn.poll_single(id, cx));
+        let panics = async {
+            tokio::task::yield_now().await; // both callers wait first
+            let waker = {
+                let mut state = source.0.lock().unwrap();
+                state.0 = true;
+                state.1.take()
+            };
+            waker.expect("the reader task polled the source").wake();
+        };
+        let ended = tokio::time::timeout(
+            Duration::from_secs(60),
+            futures::future::join3(outcome(first), outcome(second), panics),
+        )
+        .await
+        .expect("the calls were left waiting");
+        for result in [ended.0, ended.1] {
+            let status = result.expect_err("the call was answered");
+            assert_eq!(status.code(), crate::Code::Unavailable, "{status}");
+            assert!(status.message().contains("stopped reading"), "{status}");
+        }
+        let refused = conn.open_call(None, Inbox::single(), None);
+        assert!(
+            refused.is_err(),
+            "the connection took a call after its reader stopped"
+        );
+    }
+
+    /// The runtime of a connection's reader task shuts down while calls
+    /// from another runtime wait on it: they end, `Unavailable`.
+    #[test]
+    fn calls_waiting_on_a_connection_whose_runtime_shut_down_end() {
+        let current_thread = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        let (first_runtime, other_runtime) = (current_thread(), current_thread());
+        let conn = first_runtime.block_on(async {
+            let connection = Connection {
+                sink: Arc::new(crate::transport::AlwaysRoom),
+                source: Box::new(Panicking::default()),
+                peer: "test peer".to_string(),
+                identity: None,
+            };
+            let config = ChannelConfig {
+                keepalive: None,
+                ..crate::Endpoint::new("mem://unused").unwrap().config
+            };
+            let conn = ClientConn::start(
+                connection,
+                &config,
+                ConnectionCounters::of("test", Side::Client),
+            );
+            tokio::task::yield_now().await; // the reader task polls and waits
+            conn
+        });
+        let deadline = Instant::now() + Duration::from_secs(3600);
+        let calls: Vec<_> = (0..2)
+            .map(|_| {
+                let open = conn.open_call(None, Inbox::single(), Some(deadline));
+                open.ok().unwrap()
+            })
+            .collect();
+        drop(first_runtime);
+        other_runtime.block_on(async {
+            for id in calls {
+                let answer = std::future::poll_fn(|cx| conn.poll_single(id, cx));
+                let status = tokio::time::timeout(Duration::from_secs(10), answer)
+                    .await
+                    .expect("the call was left waiting")
+                    .expect_err("the call was answered");
+                assert_eq!(status.code(), crate::Code::Unavailable, "{status}");
+            }
+        });
     }
 
     /// The only call's caller reads its answer before the event for it
