@@ -651,14 +651,17 @@ impl ClientConn {
         let mut timer = KeepaliveTimer::new(keepalive);
         let reason = loop {
             tokio::select! {
-                // In this order: frames first, no random draw per wait.
+                // In this order, no random draw per wait. Deadlines first:
+                // under a flood of frames the reader's branch is ready
+                // every round (64 frames a round), and the branches after
+                // it are polled only once the budget has run out.
                 biased;
+                () = std::future::poll_fn(|cx| self.poll_deadlines(cx)) => {}
                 ended = std::future::poll_fn(|cx| self.poll_reader(cx)) => {
                     if let Some(reason) = ended {
                         break reason;
                     }
                 }
-                () = std::future::poll_fn(|cx| self.poll_deadlines(cx)) => {}
                 tick = timer.tick(&self.received), if timer.enabled() => match tick {
                     Tick::Ping => {
                         // Never waits: with no room (a dead peer grants
@@ -951,6 +954,60 @@ mod tests {
             started - Duration::from_millis(300),
             30_000,
         );
+    }
+
+    /// A peer that sends frame after frame (pongs here), each taking the
+    /// task's budget as a socket's read does.
+    struct Flood;
+
+    impl FrameSource for Flood {
+        fn poll_recv(
+            &mut self,
+            cx: &mut Context<'_>,
+        ) -> Poll<Result<Option<Bytes>, TransportError>> {
+            crate::transport::cooperatively(cx, |_| {
+                Poll::Ready(Ok(Some(
+                    OutFrame::control(0, OutBody::Pong, false).to_bytes(),
+                )))
+            })
+        }
+    }
+
+    /// Frames arriving without a pause do not hold a call past its
+    /// deadline: the reader task looks at the timer before it reads.
+    /// (Looked at after the reading, the timer was polled only once the
+    /// task's budget had run out, and then reports `Pending` whatever the
+    /// time: the call waited for ever.)
+    #[tokio::test]
+    async fn a_flood_of_frames_does_not_hold_a_call_past_its_deadline() {
+        let connection = Connection {
+            sink: Arc::new(crate::transport::AlwaysRoom),
+            source: Box::new(Flood),
+            peer: "test peer".to_string(),
+            identity: None,
+        };
+        let config = ChannelConfig {
+            keepalive: None,
+            ..crate::Endpoint::new("mem://unused").unwrap().config
+        };
+        let conn = ClientConn::start(
+            connection,
+            &config,
+            ConnectionCounters::of("test", Side::Client),
+        );
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(100);
+        let id = conn
+            .open_call(None, Inbox::single(), Some(deadline))
+            .ok()
+            .unwrap();
+        let answer = std::future::poll_fn(|cx| conn.poll_single(id, cx));
+        let status = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("the call was held past its deadline")
+            .expect_err("the call was answered");
+        assert_eq!(status.code(), crate::Code::DeadlineExceeded, "{status}");
+        assert!(started.elapsed() >= Duration::from_millis(100));
     }
 
     /// A source that has nothing to read, then panics once told to.

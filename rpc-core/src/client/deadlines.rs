@@ -77,7 +77,9 @@ impl DeadlineTimer {
         let (Some(_), Some(sleep)) = (self.armed, &mut self.sleep) else {
             return Poll::Pending;
         };
-        std::task::ready!(sleep.as_mut().poll(cx));
+        // Unconstrained: the reader task's budget may be spent on frames,
+        // and a timer polled past it reports `Pending` whatever the time.
+        std::task::ready!(Pin::new(&mut tokio::task::coop::unconstrained(sleep.as_mut())).poll(cx));
         self.armed = None;
         Poll::Ready(())
     }
