@@ -49,15 +49,13 @@ impl DeadlineTimer {
             }
         };
         // A timer's waker is the last one it was polled with: polled here
-        // with the reader task's, it wakes the reader task, not this caller.
-        // (Before the reader task's first poll there is none: that poll
-        // polls the timer.)
+        // with the reader task's, it wakes the reader task, not this caller
+        // (outside this caller's budget, which is not the reader's).
+        // Before the reader task's first poll there is none: that poll
+        // polls the timer.
         if let Some(reader) = &self.reader {
-            if sleep
-                .as_mut()
-                .poll(&mut Context::from_waker(reader))
-                .is_ready()
-            {
+            let mut cx = Context::from_waker(reader);
+            if poll_unconstrained(sleep.as_mut(), &mut cx).is_ready() {
                 reader.wake_by_ref();
             }
         }
@@ -79,10 +77,15 @@ impl DeadlineTimer {
         };
         // Unconstrained: the reader task's budget may be spent on frames,
         // and a timer polled past it reports `Pending` whatever the time.
-        std::task::ready!(Pin::new(&mut tokio::task::coop::unconstrained(sleep.as_mut())).poll(cx));
+        std::task::ready!(poll_unconstrained(sleep.as_mut(), cx));
         self.armed = None;
         Poll::Ready(())
     }
+}
+
+/// Polls `sleep` outside the task's tokio budget.
+fn poll_unconstrained(sleep: Pin<&mut Sleep>, cx: &mut Context<'_>) -> Poll<()> {
+    Pin::new(&mut tokio::task::coop::unconstrained(sleep)).poll(cx)
 }
 
 #[cfg(test)]
