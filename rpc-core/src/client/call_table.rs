@@ -841,6 +841,26 @@ mod tests {
     use super::*;
     use crate::transport::stats::Side;
 
+    /// A client connection over `source` (its sink always has room, no
+    /// keepalive), its reader task spawned on the current runtime.
+    fn start(source: Box<dyn FrameSource>) -> Arc<ClientConn> {
+        let connection = Connection {
+            sink: Arc::new(crate::transport::AlwaysRoom),
+            source,
+            peer: "test peer".to_string(),
+            identity: None,
+        };
+        let config = ChannelConfig {
+            keepalive: None,
+            ..crate::Endpoint::new("mem://unused").unwrap().config
+        };
+        ClientConn::start(
+            connection,
+            &config,
+            ConnectionCounters::of("test", Side::Client),
+        )
+    }
+
     /// Frames as a tokio socket hands them out: a poll leaves its waker
     /// whatever it returns, and bytes can be there before the event that
     /// wakes that waker for them (`arrive`, then `notify`): a poll between
@@ -899,21 +919,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn each_call_ends_at_its_own_deadline_whatever_the_others() {
         let wire = Wire::default();
-        let connection = Connection {
-            sink: Arc::new(crate::transport::AlwaysRoom),
-            source: Box::new(wire.clone()),
-            peer: "test peer".to_string(),
-            identity: None,
-        };
-        let config = ChannelConfig {
-            keepalive: None,
-            ..crate::Endpoint::new("mem://unused").unwrap().config
-        };
-        let conn = ClientConn::start(
-            connection,
-            &config,
-            ConnectionCounters::of("test", Side::Client),
-        );
+        let conn = start(Box::new(wire.clone()));
         tokio::task::yield_now().await; // the reader task polls and waits
         let conn = &conn;
         let open = |after: u64| {
@@ -980,21 +986,7 @@ mod tests {
     /// time: the call waited for ever.)
     #[tokio::test]
     async fn a_flood_of_frames_does_not_hold_a_call_past_its_deadline() {
-        let connection = Connection {
-            sink: Arc::new(crate::transport::AlwaysRoom),
-            source: Box::new(Flood),
-            peer: "test peer".to_string(),
-            identity: None,
-        };
-        let config = ChannelConfig {
-            keepalive: None,
-            ..crate::Endpoint::new("mem://unused").unwrap().config
-        };
-        let conn = ClientConn::start(
-            connection,
-            &config,
-            ConnectionCounters::of("test", Side::Client),
-        );
+        let conn = start(Box::new(Flood));
         let started = Instant::now();
         let deadline = started + Duration::from_millis(100);
         let id = conn
@@ -1035,21 +1027,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_reader_task_that_panics_ends_the_calls_waiting_on_it() {
         let source = Panicking::default();
-        let connection = Connection {
-            sink: Arc::new(crate::transport::AlwaysRoom),
-            source: Box::new(source.clone()),
-            peer: "test peer".to_string(),
-            identity: None,
-        };
-        let config = ChannelConfig {
-            keepalive: None,
-            ..crate::Endpoint::new("mem://unused").unwrap().config
-        };
-        let conn = ClientConn::start(
-            connection,
-            &config,
-            ConnectionCounters::of("test", Side::Client),
-        );
+        let conn = start(Box::new(source.clone()));
         tokio::task::yield_now().await; // the reader task polls and waits
         let deadline = Instant::now() + Duration::from_secs(3600);
         let open = || {
@@ -1100,21 +1078,7 @@ mod tests {
         };
         let (first_runtime, other_runtime) = (current_thread(), current_thread());
         let conn = first_runtime.block_on(async {
-            let connection = Connection {
-                sink: Arc::new(crate::transport::AlwaysRoom),
-                source: Box::new(Panicking::default()),
-                peer: "test peer".to_string(),
-                identity: None,
-            };
-            let config = ChannelConfig {
-                keepalive: None,
-                ..crate::Endpoint::new("mem://unused").unwrap().config
-            };
-            let conn = ClientConn::start(
-                connection,
-                &config,
-                ConnectionCounters::of("test", Side::Client),
-            );
+            let conn = start(Box::new(Panicking::default()));
             tokio::task::yield_now().await; // the reader task polls and waits
             conn
         });
@@ -1149,21 +1113,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_caller_that_read_before_the_reader_was_woken_leaves_it_waiting_again() {
         let wire = Wire::default();
-        let connection = Connection {
-            sink: Arc::new(crate::transport::AlwaysRoom),
-            source: Box::new(wire.clone()),
-            peer: "test peer".to_string(),
-            identity: None,
-        };
-        let config = ChannelConfig {
-            keepalive: None,
-            ..crate::Endpoint::new("mem://unused").unwrap().config
-        };
-        let conn = ClientConn::start(
-            connection,
-            &config,
-            ConnectionCounters::of("test", Side::Client),
-        );
+        let conn = start(Box::new(wire.clone()));
         tokio::task::yield_now().await; // the reader task polls and waits
         assert!(
             wire.0.lock().unwrap().waker.is_some(),
