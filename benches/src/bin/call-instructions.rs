@@ -6,7 +6,9 @@
 //! ```
 //!
 //! SYSTEM is `rpc` (rdma-rpc's generated `Echo` over `tcp://`), `rpc-64`
-//! (the same, 64 tasks making calls at once on one channel), `rpc-mem`
+//! (the same, 64 tasks making calls at once on one channel),
+//! `rpc-64-deadline` (`rpc-64` with a 10 s timeout on every call: 64
+//! deadlines open at once on the connection's one timer), `rpc-mem`
 //! (the same over `mem://`), `rpc-rdma` (the same over `rdma://` on the
 //! device of `RDMA_TEST_IP`: in a Soft-RoCE guest, `cargo xtask rxe`),
 //! `rpc-metrics` (`rpc` with `rpc-metrics`
@@ -20,15 +22,16 @@
 //! 2,000, so set-up cancels out; `cargo xtask bench --instructions` runs it.
 use benches::client::{self, Client, RawConnection};
 use benches::server::{self, RpcEcho};
-use benches::{rpcbench, tcp_authority, Error, System};
+use benches::{rpcbench, tcp_authority, Error, System, MAX_MESSAGE_SIZE};
 use bytes::Bytes;
 use prometheus_client::registry::Registry;
 use rpc_core::intercept::CallHead;
 use rpc_core::{Endpoint, Server, ServerBuilder};
 use rpc_metrics::RpcMetrics;
+use std::time::Duration;
 
 const USAGE: &str = "usage: call-instructions \
-    rpc|rpc-64|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|rpc-deadline|tonic|raw CALLS SIZE";
+    rpc|rpc-64|rpc-64-deadline|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|rpc-deadline|tonic|raw CALLS SIZE";
 
 /// Calls `rpc-64` keeps in flight.
 const IN_FLIGHT: usize = 64;
@@ -62,35 +65,15 @@ async fn main() -> Result<(), Error> {
             custom(server, |e| e.intercept(pass), calls, &payload).await
         }
         "rpc-deadline" => {
-            let endpoint = |e: Endpoint| e.timeout(std::time::Duration::from_secs(10));
+            let endpoint = |e: Endpoint| e.timeout(Duration::from_secs(10));
             custom(Server::builder(), endpoint, calls, &payload).await
         }
         "rpc-inline" => {
             let server = Server::builder().inline_handlers(true);
             custom(server, |e| e, calls, &payload).await
         }
-        "rpc-64" => {
-            let (address, serving) = server::start(System::Rpc, "tcp://127.0.0.1:0").await?;
-            tokio::spawn(serving);
-            let client = client::connect(System::Rpc, &address).await?;
-            // 64 callers, each its share of `calls`.
-            let callers: Vec<_> = (0..IN_FLIGHT)
-                .map(|i| {
-                    let (mut client, payload) = (client.clone(), payload.clone());
-                    let share = calls / IN_FLIGHT + usize::from(i < calls % IN_FLIGHT);
-                    tokio::spawn(async move {
-                        for _ in 0..share {
-                            client.echo(&payload).await?;
-                        }
-                        Ok::<_, Error>(())
-                    })
-                })
-                .collect();
-            for caller in callers {
-                caller.await??;
-            }
-            Ok(())
-        }
+        "rpc-64" => pipelined(None, calls, &payload).await,
+        "rpc-64-deadline" => pipelined(Some(Duration::from_secs(10)), calls, &payload).await,
         "raw" => {
             let (address, serving) = server::start(System::Raw, "tcp://127.0.0.1:0").await?;
             tokio::spawn(serving);
@@ -112,6 +95,37 @@ async fn unary(system: System, listen: &str, calls: usize, payload: &Bytes) -> R
     let mut client = client::connect(system, &address).await?;
     for _ in 0..calls {
         client.echo(payload).await?;
+    }
+    Ok(())
+}
+
+/// `calls` echo calls from [`IN_FLIGHT`] tasks at once, each its share,
+/// on one channel, each call with `timeout` if there is one.
+async fn pipelined(timeout: Option<Duration>, calls: usize, payload: &Bytes) -> Result<(), Error> {
+    let (address, serving) = server::start(System::Rpc, "tcp://127.0.0.1:0").await?;
+    tokio::spawn(serving);
+    // The channel `client::connect` makes (what `rpc-64` counted before
+    // it had a deadline variant).
+    let mut endpoint = Endpoint::new(&address)?.max_message_size(MAX_MESSAGE_SIZE);
+    if let Some(timeout) = timeout {
+        endpoint = endpoint.timeout(timeout);
+    }
+    let channel = endpoint.connect().await?;
+    let client = Client::Rpc(rpcbench::bench_client::BenchClient::new(channel));
+    let callers: Vec<_> = (0..IN_FLIGHT)
+        .map(|i| {
+            let (mut client, payload) = (client.clone(), payload.clone());
+            let share = calls / IN_FLIGHT + usize::from(i < calls % IN_FLIGHT);
+            tokio::spawn(async move {
+                for _ in 0..share {
+                    client.echo(&payload).await?;
+                }
+                Ok::<_, Error>(())
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await??;
     }
     Ok(())
 }

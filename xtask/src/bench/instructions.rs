@@ -21,12 +21,16 @@ pub(crate) const MARKERS: (&str, &str) = (
 );
 
 /// The programs counted: `call-instructions` argument, and the row's title.
-const SYSTEMS: [(&str, &str); 9] = [
+const SYSTEMS: [(&str, &str); 10] = [
     ("raw", "raw length-prefixed echo, loopback TCP (floor)"),
     ("rpc", "rdma-rpc over `tcp://`"),
     (
         "rpc-64",
         "rdma-rpc over `tcp://`, 64 calls in flight on one channel (× raw: the raw echo one at a time)",
+    ),
+    (
+        "rpc-64-deadline",
+        "rdma-rpc over `tcp://`, 64 calls in flight, every call with a timeout (64 deadlines on the connection's one timer)",
     ),
     (
         "rpc-inline",
