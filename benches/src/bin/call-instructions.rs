@@ -33,7 +33,7 @@ use std::time::Duration;
 const USAGE: &str = "usage: call-instructions \
     rpc|rpc-64|rpc-64-deadline|rpc-mem|rpc-rdma|rpc-metrics|rpc-intercept|rpc-inline|rpc-deadline|tonic|raw CALLS SIZE";
 
-/// Calls `rpc-64` keeps in flight.
+/// Calls `rpc-64` and `rpc-64-deadline` keep in flight.
 const IN_FLIGHT: usize = 64;
 
 #[tokio::main(flavor = "current_thread")]
@@ -104,8 +104,7 @@ async fn unary(system: System, listen: &str, calls: usize, payload: &Bytes) -> R
 async fn pipelined(timeout: Option<Duration>, calls: usize, payload: &Bytes) -> Result<(), Error> {
     let (address, serving) = server::start(System::Rpc, "tcp://127.0.0.1:0").await?;
     tokio::spawn(serving);
-    // The channel `client::connect` makes (what `rpc-64` counted before
-    // it had a deadline variant).
+    // `client::connect`'s channel, with the timeout it has no setting for.
     let mut endpoint = Endpoint::new(&address)?.max_message_size(MAX_MESSAGE_SIZE);
     if let Some(timeout) = timeout {
         endpoint = endpoint.timeout(timeout);
