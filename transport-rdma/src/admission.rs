@@ -4,6 +4,7 @@
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
+use crate::conn::RendezvousPool;
 use crate::proto::Refused;
 
 /// A listener's limits (see [`RdmaTransport::max_connections`]).
@@ -28,6 +29,9 @@ struct Counts {
 pub(crate) struct Admission {
     limits: AdmissionLimits,
     counts: Mutex<Counts>,
+    /// The rendezvous pool the connections share, if they read rendezvous
+    /// transfers: pinned once, whatever their number.
+    pool: Option<Arc<RendezvousPool>>,
 }
 
 /// An admitted connection's share (a connection and its pinned bytes),
@@ -45,10 +49,14 @@ pub(crate) struct Handshake {
 }
 
 impl Admission {
-    pub(crate) fn new(limits: AdmissionLimits) -> Arc<Admission> {
+    pub(crate) fn new(
+        limits: AdmissionLimits,
+        pool: Option<Arc<RendezvousPool>>,
+    ) -> Arc<Admission> {
         Arc::new(Admission {
             limits,
             counts: Mutex::new(Counts::default()),
+            pool,
         })
     }
 
@@ -70,7 +78,8 @@ impl Admission {
                 limit: limits.max_handshakes as u64,
             });
         }
-        if counts.pinned.saturating_add(pinned) > limits.max_pinned {
+        let pool = self.pool.as_ref().map_or(0, |p| p.budget());
+        if counts.pinned.saturating_add(pool).saturating_add(pinned) > limits.max_pinned {
             return Err(Refused::OverPinnedBudget {
                 limit: limits.max_pinned,
             });
@@ -206,11 +215,37 @@ mod tests {
     }
 
     fn admission(max_connections: usize, max_handshakes: usize, max_pinned: u64) -> Arc<Admission> {
-        Admission::new(AdmissionLimits {
+        let limits = AdmissionLimits {
             max_connections,
             max_handshakes,
             max_pinned,
-        })
+        };
+        Admission::new(limits, None)
+    }
+
+    #[test]
+    fn the_shared_rendezvous_pool_is_counted_once() {
+        let limits = AdmissionLimits {
+            max_connections: 100,
+            max_handshakes: 100,
+            max_pinned: 1000,
+        };
+        let pool = Arc::new(RendezvousPool::new(400));
+        let a = Admission::new(limits, Some(Arc::clone(&pool)));
+        // 400 for the pool, then 200 a connection: three fit, not four.
+        let leases: Vec<_> = (0..3).map(|_| a.admit(200).unwrap()).collect();
+        assert_eq!(
+            a.admit(200).unwrap_err(),
+            Refused::OverPinnedBudget { limit: 1000 }
+        );
+        drop(leases);
+        // A pool raised to fit a larger frame limit counts as raised.
+        pool.fit(900);
+        let _held = a.admit(100).unwrap();
+        assert_eq!(
+            a.admit(1).unwrap_err(),
+            Refused::OverPinnedBudget { limit: 1000 }
+        );
     }
 
     #[test]

@@ -98,8 +98,8 @@
 //!   where the application left it. It announces them (address, rkey,
 //!   length of each) in a small SEND that carries the frame's head and
 //!   small fields itself; the receiver copies the head and RDMA READs them
-//!   into a destination from its own pool ([`RdmaTransport::rendezvous_pool`],
-//!   never remotely writable), tells the sender `Done` (which deregisters
+//!   into a destination from its pool ([`RdmaTransport::rendezvous_pool`],
+//!   one the transport's connections share, never remotely writable), tells the sender `Done` (which deregisters
 //!   them: the peer's access ends there) and hands the frame up as `Bytes`
 //!   over the destination, with no copy of the payload on either side
 //!   ([`rendezvous_bytes_sent`] counts what was copied). A destination the
@@ -109,7 +109,8 @@
 //!   frames of other calls keep flowing while one is read (while they
 //!   arrive, the receiver keeps one READ in flight, not 16, so that they
 //!   do not queue behind READ responses on the sender's link), and a full
-//!   pool makes transfers wait.
+//!   pool makes transfers wait, first come first served across the
+//!   connections.
 //! - **Payload buffers** ([`rpc_core::Channel::payload_buffer`]): on a
 //!   connection that sends by rendezvous, a buffer of at least the
 //!   threshold comes from the connection's pool
@@ -183,10 +184,10 @@
 //! writable. Rendezvous memory
 //! comes on top, while transfers run, and only on connections whose sides
 //! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
-//! at most [`RdmaTransport::rendezvous_pool`] (64 MiB by default, at least
-//! the frame limit; a listener counts it in
-//! [`RdmaTransport::max_pinned_bytes`]; destinations kept for reuse count
-//! in it too), on the sending side the frames of up to 8 transfers in
+//! at most [`RdmaTransport::rendezvous_pool`] for all of the transport's
+//! connections together (64 MiB by default, at least the frame limit; a
+//! listener counts it once in [`RdmaTransport::max_pinned_bytes`];
+//! destinations kept for reuse count in it too), on the sending side the frames of up to 8 transfers in
 //! flight, their large `Bytes` pinned where they lie (not counted: the
 //! application chose to send them), and the payload buffers it asked for
 //! (at most [`RdmaTransport::payload_pool`], 128 MiB by default, not
@@ -341,7 +342,7 @@ pub struct RdmaTransport {
     connect_timeout: Duration,
     busy_poll: Option<Duration>,
     rendezvous_threshold: Option<usize>,
-    rendezvous_pool: u64,
+    rendezvous_pool: Arc<conn::RendezvousPool>,
     payload_pool: u64,
     stream_keepalive: Option<Duration>,
     release_idle_memory: Option<Duration>,
@@ -368,7 +369,7 @@ impl Default for RdmaTransport {
             connect_timeout: Duration::from_secs(10),
             busy_poll: None,
             rendezvous_threshold: None,
-            rendezvous_pool: 64 << 20,
+            rendezvous_pool: Arc::new(conn::RendezvousPool::new(64 << 20)),
             payload_pool: 128 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
             release_idle_memory: Some(Duration::from_secs(30)),
@@ -609,12 +610,11 @@ impl RdmaTransport {
     /// that it reads rendezvous transfers, and frames go by rendezvous only
     /// to a peer that said so; a side without one refuses announcements
     /// (the connection fails), so no peer can make it register memory. A
-    /// listener counts each such connection's whole
-    /// [`rendezvous_pool`](Self::rendezvous_pool) in
+    /// listener counts the [`rendezvous_pool`](Self::rendezvous_pool), which
+    /// its connections share, once in
     /// [`max_pinned_bytes`](Self::max_pinned_bytes).
     ///
-    /// Not on by default: it pins a pool per connection (counted by the
-    /// listener's budget), and between two Soft-RoCE guests (`cargo xtask
+    /// Not on by default: between two Soft-RoCE guests (`cargo xtask
     /// rxe --hosts 2`) large READs crawl — raw verbs too: `ib_read_bw -s
     /// 1048576 -n 64` across the two guests did 1.7 MB/s where
     /// `ib_write_bw` did 18.7 MB/s, and 4 MiB READs did not finish 64
@@ -632,14 +632,19 @@ impl RdmaTransport {
         self
     }
 
-    /// Most bytes of a connection's rendezvous destinations, read and not
-    /// yet dropped by the application (default 64 MiB, raised to the frame
-    /// limit so any frame fits on its own): registered as transfers need
-    /// them (local write only, never remotely writable) and freed when the
-    /// last `Bytes` of a frame drops. When full, announced transfers wait
-    /// for room (back pressure), in order.
+    /// Most bytes of rendezvous destinations, read and not yet dropped by
+    /// the application, across all of this transport's connections (and
+    /// its clones'; default 64 MiB, raised to the frame limit so any frame
+    /// fits on its own): registered as transfers need them (local write
+    /// only, never remotely writable) and kept registered for a later
+    /// frame of their size once the last `Bytes` of theirs drops, while
+    /// the budget allows. When full, announced transfers wait for room
+    /// (back pressure) first come first served, across the connections:
+    /// a transfer that does not fit holds up those announced after it, so
+    /// none starves. A listener counts the pool once in
+    /// [`max_pinned_bytes`](Self::max_pinned_bytes).
     pub fn rendezvous_pool(mut self, bytes: u64) -> RdmaTransport {
-        self.rendezvous_pool = bytes.max(4096);
+        self.rendezvous_pool = Arc::new(conn::RendezvousPool::new(bytes.max(4096)));
         self
     }
 
@@ -705,7 +710,7 @@ impl RdmaTransport {
         proto::RendezvousConfig {
             threshold: self.rendezvous_threshold.filter(|_| peer.reads_rendezvous),
             pool_bytes: if own.reads_rendezvous {
-                self.rendezvous_pool
+                self.rendezvous_pool.budget()
             } else {
                 0
             },
@@ -722,15 +727,13 @@ impl RdmaTransport {
         self.clone().rendezvous_threshold(None)
     }
 
-    /// These settings with a rendezvous pool that holds any frame `limits`
-    /// admit on its own (so a frame never waits for room that cannot come),
-    /// and is what the pinned budget counts.
-    fn pool_fitting(&self, limits: FrameLimits) -> RdmaTransport {
-        let mut cfg = self.clone();
-        cfg.rendezvous_pool = cfg
-            .rendezvous_pool
-            .max(proto::pool_charge(limits.max_frame_len));
-        cfg
+    /// These settings, their rendezvous pool raised to hold any frame
+    /// `limits` admit on its own (so a frame never waits for room that
+    /// cannot come).
+    fn pool_fitting(&self, limits: FrameLimits) -> &RdmaTransport {
+        self.rendezvous_pool
+            .fit(proto::pool_charge(limits.max_frame_len));
+        self
     }
 
     fn hello_limits(&self) -> HelloLimits {
@@ -799,7 +802,25 @@ impl RdmaTransport {
         let fd = unsafe { AsyncFd::register(ListenFd(id)) }
             .map_err(|err| TransportError::io(ctx.clone(), err.into_parts().1))?;
         let (tx, rx) = mpsc::channel(16);
-        let admission = Admission::new(self.admission);
+        // The rendezvous pool is counted once, whatever the connections.
+        let pool = self
+            .reads_rendezvous()
+            .then(|| Arc::clone(&self.rendezvous_pool));
+        if let Some(pool) = &pool {
+            if pool.budget() > self.admission.max_pinned {
+                return Err(TransportError::io(
+                    ctx,
+                    std::io::Error::other(format!(
+                        "the rendezvous pool ({} bytes, RdmaTransport::rendezvous_pool, \
+                         at least the frame limit) is larger than the listener's pinned \
+                         budget ({} bytes, RdmaTransport::max_pinned_bytes)",
+                        pool.budget(),
+                        self.admission.max_pinned
+                    )),
+                ));
+            }
+        }
+        let admission = Admission::new(self.admission, pool);
         let gate = match &self.auth_secret {
             Some(secret) => Some(
                 Gate::new(secret.clone(), Instant::now())
@@ -836,7 +857,7 @@ impl Transport for RdmaTransport {
         Box::pin(async move {
             let cfg = self.pool_fitting(limits);
             let est = cfg.establish(resolve(authority).await?).await?;
-            conn::start(est, limits, &cfg)
+            conn::start(est, limits, cfg)
         })
     }
 

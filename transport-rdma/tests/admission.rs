@@ -291,27 +291,31 @@ async fn a_storm_of_connect_requests_stays_within_the_budget_and_the_server_goes
     }
 }
 
-/// A listener that reads rendezvous transfers counts each connection's
-/// whole rendezvous pool in its budget (a peer can fill it with
-/// announcements); one that does not, counts none and takes no
-/// announcement (`bad_peer.rs`).
+/// A listener that reads rendezvous transfers counts the rendezvous pool
+/// its connections share once in its budget (a peer can fill it with
+/// announcements), whatever their number; one that does not, counts none
+/// and takes no announcement (`bad_peer.rs`). A pool larger than the
+/// whole budget is refused when listening.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
-async fn a_listener_reading_rendezvous_counts_its_pool_in_the_budget() {
+async fn a_listener_reading_rendezvous_counts_its_shared_pool_once() {
     use rpc_core::transport::{FrameLimits, Transport};
     let env = TestEnv::from_env();
     let limits = FrameLimits {
         max_frame_len: 1 << 20,
     };
     let pool = 64 << 20;
-    // One default connection and a pool, less a byte.
+    let reading = |budget| {
+        RdmaTransport::default()
+            .max_pinned_bytes(budget)
+            .rendezvous_threshold(Some(transport_rdma::MEASURED_RENDEZVOUS_THRESHOLD))
+            .rendezvous_pool(pool)
+    };
+    // One default connection and the pool, less a byte: a plain listener
+    // admits the connection, a reading one does not.
     let budget = PINNED_PER_END + pool - 1;
     let plain = RdmaTransport::default().max_pinned_bytes(budget);
-    let reading = plain
-        .clone()
-        .rendezvous_threshold(Some(transport_rdma::MEASURED_RENDEZVOUS_THRESHOLD))
-        .rendezvous_pool(pool);
-    for (server, fits) in [(plain, true), (reading, false)] {
+    for (server, fits) in [(plain, true), (reading(budget), false)] {
         let (mut listener, target) = env.listen_here(&server, limits).await;
         let accepting =
             tokio::spawn(async move { std::future::poll_fn(|cx| listener.poll_accept(cx)).await });
@@ -332,6 +336,49 @@ async fn a_listener_reading_rendezvous_counts_its_pool_in_the_budget() {
             (Err(e), true) => panic!("refused though it fits without a pool: {e}"),
         }
     }
+
+    // The pool and three connections: three reading connections fit (a
+    // pool each would have fitted one), the fourth is refused.
+    let budget = pool + 3 * PINNED_PER_END;
+    let server = reading(budget);
+    let (mut listener, target) = env.listen_here(&server, limits).await;
+    let accepting = tokio::spawn(async move {
+        let mut ends = Vec::new();
+        for _ in 0..3 {
+            ends.push(
+                std::future::poll_fn(|cx| listener.poll_accept(cx))
+                    .await
+                    .expect("the server's end"),
+            );
+        }
+        (listener, ends)
+    });
+    let mut clients = Vec::new();
+    for i in 0..3 {
+        let client = server.connect(&target, limits).await;
+        clients.push(client.unwrap_or_else(|e| panic!("connection {i} refused: {e}")));
+    }
+    let (_listener, _ends) = accepting.await.unwrap();
+    let Err(refused) = server.connect(&target, limits).await else {
+        panic!("a fourth connection admitted over the budget");
+    };
+    assert!(
+        refused
+            .to_string()
+            .contains(&format!("budget of {budget} bytes")),
+        "{refused}"
+    );
+
+    // A pool larger than the budget: the listener says so at once.
+    let too_small = reading(pool - 1);
+    let authority = env.local_listen().replace("rdma://", "");
+    let Err(err) = too_small.listen(&authority, limits).await else {
+        panic!("listening with a pool over the budget");
+    };
+    assert!(
+        err.to_string().contains("RdmaTransport::max_pinned_bytes"),
+        "{err}"
+    );
 }
 
 /// Over IPv6: a listener on `[addr]:0` (the guest gives the device's

@@ -271,6 +271,66 @@ async fn rendezvous_across_the_wire() {
     }
 }
 
+/// A transport's connections share one rendezvous pool: with room for one
+/// frame, a second connection's transfer waits while the first's frame is
+/// held, then arrives once that is dropped, in the very destination it
+/// left (kept as a spare, on the protection domain the device's
+/// connections share). The memory comes back once both are closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run through cargo xtask rxe"]
+async fn connections_share_one_pool_and_take_turns() {
+    let env = TestEnv::from_env();
+    const LEN: usize = 2 << 20;
+    // Any frame fits the pool on its own: raised to the frame limit,
+    // which charges as much as one frame of `LEN` and its head.
+    let limits = FrameLimits {
+        max_frame_len: LEN + 4096,
+    };
+    let cfg = RdmaTransport::default()
+        .rendezvous_threshold(Some(64 << 10))
+        .rendezvous_pool(4096);
+    let before = transport_rdma::verbs::registered_bytes();
+    {
+        let (a_client, mut a_server) = env.pair(&cfg, limits).await;
+        let (b_client, mut b_server) = env.pair(&cfg, limits).await;
+        send(&a_client.sink, 1, &payload(1, LEN))
+            .await
+            .expect("A sent");
+        let held = recv(&mut a_server).await;
+        assert!(transport_rdma::rendezvous_pool_contains(held.as_ptr()));
+        let b_sink = Arc::clone(&b_client.sink);
+        let b_sending = tokio::spawn(async move { send(&b_sink, 2, &payload(2, LEN)).await });
+        // B's frame waits for the room A's holds.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(2), b_server.source.recv())
+                .await
+                .is_err(),
+            "B's frame arrived while A's held the whole pool"
+        );
+        let at = held.as_ptr();
+        assert!(held[HEAD_LEN..] == payload(1, LEN)[..]);
+        drop(held);
+        let got = recv(&mut b_server).await;
+        b_sending.await.unwrap().expect("B sent");
+        assert_eq!(call(&got), 2);
+        assert!(got[HEAD_LEN..] == payload(2, LEN)[..]);
+        assert_eq!(
+            got.as_ptr(),
+            at,
+            "B's frame is in the destination A's left (a spare of the shared pool)"
+        );
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "registered bytes {} > {before} after both connections closed",
+            transport_rdma::verbs::registered_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run through cargo xtask rxe"]
 async fn small_calls_flow_while_large_transfers_are_read_and_a_full_pool_waits() {

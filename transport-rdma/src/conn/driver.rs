@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use rpc_core::transport::{Connection, FrameLimits, TransportError};
 use tokio::io::unix::AsyncFd;
 
+use super::destinations::PoolBuffer;
 use super::io::{BusyPoll, RdmaSink, RdmaSource};
 use super::io_error;
 use super::setup::Established;
-use super::state::{PoolBuffer, Shared};
+use super::state::Shared;
 use crate::device_events;
 use crate::registry;
 use crate::teardown;
@@ -193,6 +194,12 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         let ended = (!cm_end_taken).then(|| shared.ended_by_cm.get()).flatten();
         let drained = drain_cq(&shared);
         repost_released(&shared, &mut released, &mut pooled);
+        if shared.pool_wait.as_ref().is_some_and(|w| w.room_came()) {
+            // Another connection's frame gave the pool room back.
+            let mut st = shared.lock();
+            st.proto.handle_pool_room();
+            st.flush(&shared.mem);
+        }
         if let Some(event) = ended {
             cm_end_taken = true;
             // What the peer sent before it went was in the CQ, taken just
@@ -327,6 +334,9 @@ async fn drive(shared: Arc<Shared>, mut d: Driver) {
         }
     }
     let _ = d.id.disconnect();
+    if let Some(wait) = &shared.pool_wait {
+        wait.leave();
+    }
     // Wake whoever waits: they see the failure (or the end).
     let mut st = shared.lock();
     for w in st.send_waiters.drain(..) {

@@ -12,7 +12,8 @@ use rpc_core::frame::OutFrame;
 use rpc_core::transport::{FrameSink, FrameSource, TransportError};
 use rpc_core::PayloadBuffer;
 
-use super::state::{connection_error, refusal_error, Buffers, PoolBuffer, Received, Shared, State};
+use super::destinations::PoolBuffer;
+use super::state::{connection_error, refusal_error, Buffers, Received, Shared, State};
 use super::transfer::OutgoingTransfer;
 use crate::proto::{Delivered, EncodeInto, Reservation, SendDecision, HEADER_LEN};
 

@@ -6,7 +6,9 @@
 //! [`cm_events`]), [`state`] (the memory and the queue pair, carrying out what
 //! [`proto::Connection`](crate::proto::Connection) decides), [`io`] (the
 //! sink and source halves the application uses), [`transfer`] (the
-//! registrations of our rendezvous transfers), [`driver`] (the task
+//! registrations of our rendezvous transfers), [`destinations`] (the
+//! pool the peers' transfers are read into, shared by the transport's
+//! connections), [`driver`] (the task
 //! that feeds completions and connection-manager events in). The registry
 //! of live connections that device events fail is [`crate::registry`].
 //!
@@ -46,6 +48,7 @@
 //!   the driver once unused for a while (`State::release_idle_regions`).
 
 mod cm_events;
+mod destinations;
 mod driver;
 mod first_slots;
 mod io;
@@ -56,11 +59,11 @@ mod state;
 mod transfer;
 mod wake;
 
+pub(crate) use destinations::{pool_contains, RendezvousPool};
 pub(crate) use driver::{start, start_halves};
 pub(crate) use io::{RdmaSink, RdmaSource};
 pub(crate) use setup::Established;
 pub(crate) use setup::{accept, connect, pinned_bytes};
-pub(crate) use state::pool_contains;
 pub use transfer::{rendezvous_bytes_sent, rendezvous_bytes_sent_from_pool, REGISTER_IN_PLACE_MIN};
 
 use rpc_core::transport::TransportError;

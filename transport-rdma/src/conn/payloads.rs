@@ -20,7 +20,7 @@ use bytes::Bytes;
 use rpc_core::transport::TransportError;
 use rpc_core::{PayloadBuffer, PayloadMemory};
 
-use super::state::{Charged, SpareDestinations};
+use super::destinations::{Charged, SpareDestinations};
 use crate::proto::{pool_charge, WorkKind};
 use crate::verbs::{
     self, Access, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair, RemoteRegion,
@@ -102,7 +102,7 @@ impl PayloadPool {
             None => {
                 let in_use = pool.in_use;
                 let budget = pool.budget;
-                pool.spares.trim(in_use + charge, budget);
+                drop(pool.spares.trim(in_use + charge, budget));
                 if pool.in_use + charge + pool.spares.bytes() > pool.budget {
                     if !pool.waiters.iter().any(|w| w.will_wake(cx.waker())) {
                         pool.waiters.push(cx.waker().clone());
@@ -185,7 +185,7 @@ impl PoolState {
         self.spares.keep(memory);
         let in_use = self.in_use;
         let budget = self.budget;
-        self.spares.trim(in_use, budget);
+        drop(self.spares.trim(in_use, budget));
         for waiter in self.waiters.drain(..) {
             waiter.wake();
         }

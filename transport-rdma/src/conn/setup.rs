@@ -211,22 +211,16 @@ impl SendSlots {
 /// within our own ([`SendSlots`], plus control and chunk slots), staging
 /// as large as the region (both [`Hello::region_with`]: no larger than
 /// ours; registered with the first frame that needs it, which the peer's
-/// requests can cause),
-/// and our rendezvous pool when we read rendezvous transfers (registered
-/// as transfers arrive, so a peer can fill it).
+/// requests can cause). Not the rendezvous pool: the transport's
+/// connections share one, which a listener counts once.
 pub(crate) fn pinned_bytes(cfg: &RdmaTransport, peer: &Hello) -> u64 {
     let own_hello = cfg.hello();
     let region = u64::from(own_hello.region_with(peer));
     let ring = u64::from(cfg.ring_slots) * u64::from(cfg.slot_size);
     let slots = SendSlots::new(&own_hello, peer);
     let send = u64::from(slots.count + CTRL_SLOTS + HEAP_SLOTS) * u64::from(slots.size);
-    let pool = if cfg.reads_rendezvous() {
-        cfg.rendezvous_pool
-    } else {
-        0
-    };
     // The region the peer writes, and staging as large.
-    ring + region + send + region + pool
+    ring + region + send + region
 }
 
 fn finish(
@@ -524,6 +518,13 @@ impl Established {
             rendezvous,
         });
         proto.keep_buffers_in(Arc::clone(&cfg.kept));
+        let wake_task = Arc::new(super::wake::DriverWake::default());
+        let pool_wait = own.reads_rendezvous.then(|| {
+            let own_pd = (!pd.is_shared()).then(|| pd.clone());
+            let (share, wait) = cfg.rendezvous_pool.share(Arc::clone(&wake_task), own_pd);
+            proto.charge_pool_to(Box::new(share));
+            wait
+        });
         let state = State {
             qp,
             proto,
@@ -535,7 +536,7 @@ impl Established {
             completions: 0,
             out_transfers: HashMap::new(),
             destinations: HashMap::new(),
-            spares: Default::default(),
+            rendezvous_pool: Arc::clone(&cfg.rendezvous_pool),
             posting: false,
             batch: SendBatch::default(),
             completed: CompletionBatch::new(),
@@ -551,7 +552,8 @@ impl Established {
             cq: DropLater::new(cq),
             released: Mutex::new(Vec::new()),
             pool_released: Mutex::new(Vec::new()),
-            wake_task: Default::default(),
+            wake_task,
+            pool_wait,
             payloads,
             ended_by_cm: OnceLock::new(),
             peer: peer_addr,

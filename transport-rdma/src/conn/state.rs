@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use rpc_core::transport::TransportError;
 
+use super::destinations::{PoolBuffer, RendezvousPool};
 use super::slots::SlotMemory;
 use crate::proto::{
     self, Completion, ReadReceived, Refusal, Transmit, WorkKind, CTRL_SLOTS, HEADER_LEN,
@@ -205,8 +206,8 @@ pub(super) struct State {
     /// their READs run and until delivered. Declared after `qp`: one with
     /// a READ in flight is freed only after the QP is destroyed.
     pub(super) destinations: HashMap<u64, PoolBuffer>,
-    /// Destinations the application released, kept for later transfers.
-    pub(super) spares: SpareDestinations,
+    /// Where destinations come from, and released ones go.
+    pub(super) rendezvous_pool: Arc<RendezvousPool>,
     /// A thread is posting the send queue's requests, outside the lock
     /// ([`Locked`]); it posts whatever is queued meanwhile too.
     pub(super) posting: bool,
@@ -249,120 +250,6 @@ pub(super) struct State {
     pub(super) send_slots_used: bool,
 }
 
-/// A rendezvous destination: registered memory for local write only (the
-/// peer can never write it), known to [`pool_contains`] while it lives.
-pub(crate) struct PoolBuffer {
-    pub(super) mr: MemoryRegion,
-}
-
-/// Address ranges of the live rendezvous destinations (for tests proving
-/// frames are handed up in place).
-static POOL_RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
-
-impl PoolBuffer {
-    /// A destination for frames of up to `len` bytes, registered in whole
-    /// pages (what the pool charges): a spare fits any frame of its charge.
-    fn new(pd: &ProtectionDomain, len: usize) -> Result<PoolBuffer, crate::verbs::Error> {
-        let whole_pages = proto::pool_charge(len) as usize;
-        let mr = MemoryRegion::new(pd, whole_pages, Access::LOCAL_WRITE)?;
-        // SAFETY: an empty slice at the start: covers no byte.
-        let start = unsafe { mr.slice(0..0) }.as_ptr() as usize;
-        POOL_RANGES
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((start, start + mr.len()));
-        Ok(PoolBuffer { mr })
-    }
-}
-
-impl Drop for PoolBuffer {
-    fn drop(&mut self) {
-        // SAFETY: an empty slice at the start: covers no byte.
-        let start = unsafe { self.mr.slice(0..0) }.as_ptr() as usize;
-        let mut ranges = POOL_RANGES.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = ranges.iter().position(|r| r.0 == start) {
-            ranges.swap_remove(i);
-        }
-    }
-}
-
-/// Destinations the application released, kept registered for later
-/// transfers of the same size: registering fresh memory for each costs
-/// more than a copy of it (its pages are touched for the first time, then
-/// pinned), and tensors of a workload come in a few sizes again and again.
-/// They count against the connection's pool budget with the destinations
-/// in use ([`trim`](Self::trim)), so the connection never pins more than
-/// its pool allows; they are freed with the connection.
-pub(super) struct SpareDestinations<B = PoolBuffer> {
-    /// Oldest first.
-    buffers: std::collections::VecDeque<B>,
-    bytes: u64,
-}
-
-impl<B> Default for SpareDestinations<B> {
-    fn default() -> Self {
-        SpareDestinations {
-            buffers: Default::default(),
-            bytes: 0,
-        }
-    }
-}
-
-/// A destination, as the pool charges it.
-pub(super) trait Charged {
-    /// Its length in whole pages.
-    fn charge(&self) -> u64;
-}
-
-impl Charged for PoolBuffer {
-    fn charge(&self) -> u64 {
-        proto::pool_charge(self.mr.len())
-    }
-}
-
-impl<B: Charged> SpareDestinations<B> {
-    /// A spare for a frame of `len` bytes: one of the same pool charge.
-    pub(super) fn take(&mut self, len: usize) -> Option<B> {
-        let charge = proto::pool_charge(len);
-        let at = self.buffers.iter().position(|b| b.charge() == charge)?;
-        let buffer = self.buffers.remove(at)?;
-        self.bytes -= charge;
-        Some(buffer)
-    }
-
-    /// Bytes of the spares kept.
-    pub(super) fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Keeps `buffer` (released by the application) for later.
-    pub(super) fn keep(&mut self, buffer: B) {
-        self.bytes += buffer.charge();
-        self.buffers.push_back(buffer);
-    }
-
-    /// Frees the oldest spares until, with `in_use` bytes charged to
-    /// destinations, they fit `budget`.
-    pub(super) fn trim(&mut self, in_use: u64, budget: u64) {
-        while in_use + self.bytes > budget {
-            let Some(oldest) = self.buffers.pop_front() else {
-                return;
-            };
-            self.bytes -= oldest.charge();
-        }
-    }
-}
-
-/// Whether `ptr` points into a live rendezvous destination.
-pub(crate) fn pool_contains(ptr: *const u8) -> bool {
-    let p = ptr as usize;
-    POOL_RANGES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .any(|&(start, end)| (start..end).contains(&p))
-}
-
 /// What the connection's halves, its driver and the frames it handed up
 /// share. Its verbs objects are destroyed on the teardown thread
 /// ([`DropLater`]), in the order of the fields, whoever drops it last.
@@ -377,7 +264,10 @@ pub(super) struct Shared {
     /// Rendezvous frames the application dropped while the state was
     /// busy: their lengths and destinations, for the driver.
     pub(super) pool_released: Mutex<Vec<(usize, PoolBuffer)>>,
-    pub(super) wake_task: super::wake::DriverWake,
+    pub(super) wake_task: Arc<super::wake::DriverWake>,
+    /// The driver's end of the rendezvous pool's queue, if this side reads
+    /// the peer's transfers.
+    pub(super) pool_wait: Option<super::destinations::PoolWait>,
     /// Payload buffers for frames going by rendezvous (frames at least
     /// this long), if they go so to this peer.
     pub(super) payloads: Option<(super::payloads::PayloadPool, usize)>,
@@ -519,10 +409,8 @@ impl State {
     /// The pool gets a dropped frame's charge back; its destination is
     /// kept as a spare while the budget allows.
     pub(super) fn release_destination(&mut self, len: usize, destination: PoolBuffer) {
+        self.rendezvous_pool.keep(destination);
         self.proto.handle_pool_released(len);
-        self.spares.keep(destination);
-        let (in_use, budget) = (self.proto.pool_in_use(), self.proto.pool_budget());
-        self.spares.trim(in_use, budget);
     }
 }
 
@@ -788,15 +676,8 @@ impl State {
                 head_at,
                 head_len,
             } => {
-                let dest = match self.spares.take(len) {
-                    Some(spare) => spare,
-                    None => {
-                        // The protocol charged this transfer already.
-                        let in_use = self.proto.pool_in_use();
-                        self.spares.trim(in_use, self.proto.pool_budget());
-                        PoolBuffer::new(&mem.pd, len)?
-                    }
-                };
+                // The protocol charged this transfer to the pool already.
+                let dest = self.rendezvous_pool.destination(&mem.pd, len)?;
                 // The frame's head came in the announcement.
                 // SAFETY: the announcement's receive completed and its slot
                 // is reposted only once the frame is delivered; the ring is
@@ -1067,39 +948,5 @@ mod tests {
                 "{data_slots} data slots"
             );
         }
-    }
-
-    struct Fake(u64);
-
-    impl Charged for Fake {
-        fn charge(&self) -> u64 {
-            self.0
-        }
-    }
-
-    #[test]
-    fn spares_are_taken_by_charge_and_trimmed_oldest_first_to_the_budget() {
-        let mut spares = SpareDestinations::default();
-        spares.keep(Fake(8192));
-        spares.keep(Fake(4096));
-        spares.keep(Fake(8192));
-        assert!(spares.take(100_000).is_none(), "no spare of that size");
-        assert_eq!(
-            spares.take(5000).map(|b| b.0),
-            Some(8192),
-            "8192 bytes charged"
-        );
-        assert_eq!(spares.bytes, 4096 + 8192);
-        // 4096 in use and a budget of 12288: the oldest spare goes.
-        spares.trim(4096, 12288);
-        assert_eq!(spares.bytes, 8192);
-        assert_eq!(
-            spares.take(4096).map(|b| b.0),
-            None,
-            "the 4096 one was the oldest"
-        );
-        spares.trim(12288, 12288);
-        assert_eq!(spares.bytes, 0);
-        assert!(spares.take(8192).is_none());
     }
 }

@@ -30,8 +30,8 @@ use super::free_slots::FreeSlots;
 use super::rendezvous::{InState, Incoming, OutTransfer};
 use super::{
     lane, pool_charge, route, Announcement, Assembled, CreditWindow, Delivery, FrameBytes, Header,
-    Kind, ProtocolError, Reassembly, RecvRing, RegionReader, RegionWriter, RendezvousConfig, Route,
-    ANNOUNCE_PREFIX_LEN, FIRST, HEADER_LEN, LAST,
+    Kind, OwnPool, PoolRoom, ProtocolError, Reassembly, RecvRing, RegionReader, RegionWriter,
+    RendezvousConfig, Route, ANNOUNCE_PREFIX_LEN, FIRST, HEADER_LEN, LAST,
 };
 
 /// Send slots reserved for control messages (credits, close).
@@ -818,9 +818,11 @@ pub struct Connection {
     next_transfer: u64,
     /// The peer's transfers not yet delivered, in arrival order.
     incoming: VecDeque<Incoming>,
-    /// Pool bytes charged to destinations (reading, or delivered and not
-    /// yet released).
+    /// Pool bytes charged to this connection's destinations (reading, or
+    /// delivered and not yet released).
     pool_in_use: u64,
+    /// Where they are charged.
+    pool: Box<dyn PoolRoom>,
     /// READs posted and not completed, in posting order: (seq, transfer, len).
     reads: VecDeque<(u32, u64, usize)>,
     /// READs in flight at once ([`INTERLEAVED_READS`]).
@@ -851,6 +853,14 @@ impl Connection {
     pub fn new(cfg: Config) -> Connection {
         debug_assert!((1..=cfg.peer_ring_slots).contains(&cfg.send_slots));
         let send = cfg.send_slots;
+        // Any frame the limit admits fits the pool on its own.
+        let pool_bytes = if cfg.rendezvous.pool_bytes == 0 {
+            0
+        } else {
+            cfg.rendezvous
+                .pool_bytes
+                .max(pool_charge(cfg.max_frame_len))
+        };
         Connection {
             credits: CreditWindow::new(cfg.peer_initial_ring_slots, cfg.peer_ring_slots),
             writer: RegionWriter::new(cfg.peer_region_len),
@@ -887,14 +897,7 @@ impl Connection {
             arrived: VecDeque::new(),
             probe: false,
             rdv: RendezvousConfig {
-                // Any frame the limit admits fits the pool on its own.
-                pool_bytes: if cfg.rendezvous.pool_bytes == 0 {
-                    0
-                } else {
-                    cfg.rendezvous
-                        .pool_bytes
-                        .max(pool_charge(cfg.max_frame_len))
-                },
+                pool_bytes,
                 read_chunk: cfg.rendezvous.read_chunk.max(1),
                 read_depth: cfg.rendezvous.read_depth.max(1),
                 max_outgoing: cfg.rendezvous.max_outgoing.max(1),
@@ -908,6 +911,7 @@ impl Connection {
             next_transfer: 0,
             incoming: VecDeque::new(),
             pool_in_use: 0,
+            pool: Box::new(OwnPool::new(pool_bytes)),
             reads: VecDeque::new(),
             read_pace: Pace::default(),
             read_seq: 0,
@@ -926,6 +930,24 @@ impl Connection {
     pub fn keep_buffers_in(&mut self, kept: std::sync::Arc<rpc_core::kept::KeptBuffers>) {
         self.settled = false;
         self.reassembly.keep_buffers_in(kept);
+    }
+
+    /// Charges the destinations of the peer's transfers to `pool` (a
+    /// pool shared with other connections) instead of a budget of the
+    /// connection's own. Before any transfer arrives.
+    pub fn charge_pool_to(&mut self, pool: Box<dyn PoolRoom>) {
+        debug_assert_eq!(self.pool_in_use, 0, "the pool changes before any transfer");
+        self.settled = false;
+        self.pool = pool;
+    }
+
+    /// Room may have come in the shared pool ([`charge_pool_to`]): the
+    /// oldest transfer waiting for it tries again.
+    ///
+    /// [`charge_pool_to`]: Self::charge_pool_to
+    pub fn handle_pool_room(&mut self) {
+        self.settled = false;
+        self.pool.room_freed();
     }
 
     /// The lifecycle state.
@@ -1624,16 +1646,14 @@ impl Connection {
     /// does not fit yet holds up the later ones: no starvation), and posts
     /// READs, oldest transfer first, up to the read depth.
     fn schedule_reads(&mut self) {
-        let mut free = self.rdv.pool_bytes - self.pool_in_use;
         for t in self.incoming.iter_mut() {
             if t.state != InState::WaitPool {
                 continue;
             }
             let charge = pool_charge(t.len);
-            if charge > free {
+            if !self.pool.try_take(charge) {
                 break;
             }
-            free -= charge;
             self.pool_in_use += charge;
             t.state = InState::Reading;
             self.transmit.push_back(Transmit::Alloc {
@@ -2031,7 +2051,9 @@ impl Connection {
     /// ([`Delivered::Pooled`]): its destination goes back to the pool.
     pub fn handle_pool_released(&mut self, len: usize) {
         self.settled = false;
-        self.pool_in_use = self.pool_in_use.saturating_sub(pool_charge(len));
+        let charge = pool_charge(len).min(self.pool_in_use);
+        self.pool_in_use -= charge;
+        self.pool.give_back(charge);
     }
 
     /// Pool bytes charged to destinations now (being read, or delivered
@@ -2042,7 +2064,7 @@ impl Connection {
 
     /// Bytes the pool may charge to destinations at once.
     pub fn pool_budget(&self) -> u64 {
-        self.rdv.pool_bytes
+        self.pool.budget()
     }
 
     /// RDMA READs completed so far.

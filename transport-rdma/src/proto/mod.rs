@@ -88,8 +88,8 @@ pub use reassembly::{Assembled, Reassembly};
 pub use refusal::{Refused, REFUSED_LEN};
 pub use region::{max_chunk, RegionReader, RegionWriter};
 pub use rendezvous::{
-    announce_body_len, lane, pool_charge, Announcement, RendezvousConfig, Segment,
-    ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS, PEEK_LEN, POOL_GRANULE, SEGMENT_LEN,
+    announce_body_len, lane, pool_charge, Announcement, OwnPool, PoolRoom, RendezvousConfig,
+    Segment, ANNOUNCE_PREFIX_LEN, MAX_SEGMENTS, PEEK_LEN, POOL_GRANULE, SEGMENT_LEN,
 };
 
 /// The peer broke the protocol: the connection must be closed and its calls failed.

@@ -267,6 +267,54 @@ pub fn pool_charge(len: usize) -> u64 {
     (len as u64).next_multiple_of(POOL_GRANULE)
 }
 
+/// Where a connection's destinations for the peer's transfers are charged:
+/// its own budget ([`OwnPool`], the default), or a pool its transport's
+/// connections share (the transport's, in `conn`), first come first served.
+pub trait PoolRoom: Send + std::fmt::Debug {
+    /// Charges `charge` bytes if the pool has room for them now, for this
+    /// connection's oldest transfer waiting. `false`: none yet; the
+    /// connection tries again after [`room_freed`](Self::room_freed).
+    fn try_take(&mut self, charge: u64) -> bool;
+    /// Gives back `charge` bytes this connection took.
+    fn give_back(&mut self, charge: u64);
+    /// Room may have come since a [`try_take`](Self::try_take) failed.
+    fn room_freed(&mut self) {}
+    /// The most bytes the pool charges at once.
+    fn budget(&self) -> u64;
+}
+
+/// A budget of the connection's own.
+#[derive(Debug)]
+pub struct OwnPool {
+    budget: u64,
+    in_use: u64,
+}
+
+impl OwnPool {
+    /// A pool of `budget` bytes, none charged.
+    pub fn new(budget: u64) -> OwnPool {
+        OwnPool { budget, in_use: 0 }
+    }
+}
+
+impl PoolRoom for OwnPool {
+    fn try_take(&mut self, charge: u64) -> bool {
+        let fits = self.in_use + charge <= self.budget;
+        if fits {
+            self.in_use += charge;
+        }
+        fits
+    }
+
+    fn give_back(&mut self, charge: u64) {
+        self.in_use = self.in_use.saturating_sub(charge);
+    }
+
+    fn budget(&self) -> u64 {
+        self.budget
+    }
+}
+
 /// The rendezvous settings of one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RendezvousConfig {

@@ -264,6 +264,11 @@ impl MemoryRegion {
         unsafe { (*self.registration.get()).as_ref() }
     }
 
+    /// Whether the memory belongs to `pd` (works with its queue pairs).
+    pub fn is_in(&self, pd: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.pd, &pd.inner)
+    }
+
     /// Whether the buffer is registered.
     pub fn is_registered(&self) -> bool {
         self.registration().is_some()
