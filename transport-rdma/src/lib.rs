@@ -185,7 +185,7 @@
 //! comes on top, while transfers run, and only on connections whose sides
 //! both set [`RdmaTransport::rendezvous_threshold`]: on the receiving side
 //! at most [`RdmaTransport::rendezvous_pool`] for all of the transport's
-//! connections together (64 MiB by default, at least the frame limit; a
+//! connections together (1 GiB by default, at least the frame limit; a
 //! listener counts it once in [`RdmaTransport::max_pinned_bytes`];
 //! destinations kept for reuse count in it too), on the sending side the frames of up to 8 transfers in
 //! flight, their large `Bytes` pinned where they lie (not counted: the
@@ -295,6 +295,13 @@ pub fn debug_dump() -> String {
 /// (see there); not the default yet: between two Soft-RoCE guests READs
 /// stalled (issue 10).
 pub const MEASURED_RENDEZVOUS_THRESHOLD: usize = 128 << 10;
+
+/// The default [`RdmaTransport::rendezvous_pool`], 1 GiB: what an
+/// application may hold at once of the frames its connections read by
+/// rendezvous (a parameter-server worker with 4 workers pulling two
+/// 64 MiB tensors each before it checks any holds 512 MiB). Registered
+/// only as transfers need it; a listener counts it once.
+pub const DEFAULT_RENDEZVOUS_POOL: u64 = 1 << 30;
 /// Bytes per RDMA READ of a rendezvous. Between two Soft-RoCE guests,
 /// READs of 256 KiB and more crawl (perftest `ib_read_bw`: 1.2-2.2 MB/s at
 /// any depth, against 15-17 MB/s at 64 KiB and 16-20 MB/s for
@@ -369,7 +376,7 @@ impl Default for RdmaTransport {
             connect_timeout: Duration::from_secs(10),
             busy_poll: None,
             rendezvous_threshold: None,
-            rendezvous_pool: Arc::new(conn::RendezvousPool::new(64 << 20)),
+            rendezvous_pool: Arc::new(conn::RendezvousPool::new(DEFAULT_RENDEZVOUS_POOL)),
             payload_pool: 128 << 20,
             stream_keepalive: Some(Duration::from_secs(10)),
             release_idle_memory: Some(Duration::from_secs(30)),
@@ -634,15 +641,17 @@ impl RdmaTransport {
 
     /// Most bytes of rendezvous destinations, read and not yet dropped by
     /// the application, across all of this transport's connections (and
-    /// its clones'; default 64 MiB, raised to the frame limit so any frame
-    /// fits on its own): registered as transfers need them (local write
+    /// its clones'; default [`DEFAULT_RENDEZVOUS_POOL`], 1 GiB, raised to
+    /// the frame limit so any frame fits on its own): registered as transfers need them (local write
     /// only, never remotely writable) and kept registered for a later
     /// frame of their size once the last `Bytes` of theirs drops, while
     /// the budget allows. When full, announced transfers wait for room
     /// (back pressure) first come first served, across the connections:
     /// a transfer that does not fit holds up those announced after it, so
-    /// none starves. A listener counts the pool once in
-    /// [`max_pinned_bytes`](Self::max_pinned_bytes).
+    /// none starves. An application that keeps the frames it received
+    /// while it waits for more needs a pool that holds them all: else its
+    /// calls wait until their deadlines (a warning says so). A listener
+    /// counts the pool once in [`max_pinned_bytes`](Self::max_pinned_bytes).
     pub fn rendezvous_pool(mut self, bytes: u64) -> RdmaTransport {
         self.rendezvous_pool = Arc::new(conn::RendezvousPool::new(bytes.max(4096)));
         self

@@ -182,6 +182,8 @@ struct PoolState {
     spares: SpareDestinations,
     /// Connections with a share: the spares go with the last.
     shares: usize,
+    /// When a transfer waiting was last logged.
+    logged_wait: Option<std::time::Instant>,
 }
 
 /// A connection in the pool's queue.
@@ -194,6 +196,30 @@ struct Waiter {
 }
 
 impl PoolState {
+    /// Says (at most once a minute) that a transfer waits: back pressure
+    /// as designed, or an application that holds the frames it received
+    /// while it waits for more, which then waits until its deadline.
+    fn log_wait(&mut self, charge: u64) {
+        const EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+        let now = std::time::Instant::now();
+        if self
+            .logged_wait
+            .is_some_and(|at| now.duration_since(at) < EVERY)
+        {
+            return;
+        }
+        self.logged_wait = Some(now);
+        tracing::warn!(
+            "rdma: a rendezvous transfer of {charge} bytes waits for room in the pool: \
+             {} of its {} bytes are in frames the application has not dropped yet \
+             ({} connection(s) waiting; an application that keeps its frames while \
+             it waits for more needs a larger RdmaTransport::rendezvous_pool)",
+            self.in_use,
+            self.budget,
+            self.waiting.len()
+        );
+    }
+
     /// Tells the first connection waiting that room may have come.
     fn tell_first(&self) {
         if let Some(first) = self.waiting.front() {
@@ -237,6 +263,7 @@ impl RendezvousPool {
                 waiting: VecDeque::new(),
                 spares: SpareDestinations::default(),
                 shares: 0,
+                logged_wait: None,
             }),
         }
     }
@@ -371,6 +398,7 @@ impl PoolRoom for PoolShare {
         if !self.queued {
             st.waiting.push_back(Arc::clone(&self.waiter));
             self.queued = true;
+            st.log_wait(charge);
         }
         false
     }
