@@ -40,6 +40,20 @@ async fn recv(conn: &mut Connection) -> Bytes {
         .expect("not the end")
 }
 
+/// Waits (up to 30 s) until no more bytes are registered than `before`;
+/// fails the test, saying `after` what, if some stay.
+async fn registered_back_to(before: u64, after: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while transport_rdma::verbs::registered_bytes() > before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} bytes still registered {after}",
+            transport_rdma::verbs::registered_bytes() - before
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The call id of a received frame.
 fn call(frame: &Bytes) -> u64 {
     u64::from_le_bytes(frame[4..12].try_into().unwrap())
@@ -112,15 +126,7 @@ async fn frames_around_the_threshold_up_to_256_mib_arrive_exact_and_in_place() {
         }
     }
     // Both ends dropped: every segment and destination is deregistered.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while transport_rdma::verbs::registered_bytes() > before {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "registered bytes {} > {before} after the connection closed",
-            transport_rdma::verbs::registered_bytes()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    registered_back_to(before, "after the connection closed").await;
 }
 
 /// A destination the application released is kept registered and reused
@@ -320,15 +326,7 @@ async fn connections_share_one_pool_and_take_turns() {
             "B's frame is in the destination A's left (a spare of the shared pool)"
         );
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while transport_rdma::verbs::registered_bytes() > before {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "registered bytes {} > {before} after both connections closed",
-            transport_rdma::verbs::registered_bytes()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    registered_back_to(before, "after both connections closed").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -412,15 +410,7 @@ async fn small_calls_flow_while_large_transfers_are_read_and_a_full_pool_waits()
             "small frames waited for the pool"
         );
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while transport_rdma::verbs::registered_bytes() > before {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "registered bytes {} > {before} after the connection closed",
-            transport_rdma::verbs::registered_bytes()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    registered_back_to(before, "after the connection closed").await;
 }
 
 const HUGE: usize = 64 << 20;
@@ -525,15 +515,7 @@ async fn a_sender_killed_mid_read_fails_the_connection_and_the_pool_comes_back()
     }
     drop(conn);
     drop(listener);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while transport_rdma::verbs::registered_bytes() > before {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} bytes still registered after the connection failed",
-            transport_rdma::verbs::registered_bytes() - before
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    registered_back_to(before, "after the connection failed").await;
 }
 
 /// Not a check: one-way push throughput by frame size through the region

@@ -68,7 +68,7 @@ impl Drop for PoolBuffer {
 /// ([`trim`](Self::trim)), so the pool never pins more than it allows.
 pub(super) struct SpareDestinations<B = PoolBuffer> {
     /// Oldest first.
-    buffers: std::collections::VecDeque<B>,
+    buffers: VecDeque<B>,
     bytes: u64,
 }
 
@@ -141,18 +141,11 @@ impl<B: Charged> SpareDestinations<B> {
 
     /// Lets go of the spares `theirs` accepts; returns them.
     fn remove_where(&mut self, theirs: impl Fn(&B) -> bool) -> Vec<B> {
-        let mut gone = Vec::new();
-        let mut kept = std::collections::VecDeque::new();
-        for b in self.buffers.drain(..) {
-            if theirs(&b) {
-                self.bytes -= b.charge();
-                gone.push(b);
-            } else {
-                kept.push_back(b);
-            }
-        }
+        let (gone, kept): (VecDeque<B>, VecDeque<B>) =
+            self.buffers.drain(..).partition(|b| theirs(b));
         self.buffers = kept;
-        gone
+        self.bytes -= gone.iter().map(Charged::charge).sum::<u64>();
+        gone.into()
     }
 }
 
@@ -228,16 +221,11 @@ impl PoolState {
         }
     }
 
-    /// Takes `waiter` out of the queue (telling the next one, if it was
-    /// first).
+    /// Takes `waiter` out of the queue, and tells the first one left (it
+    /// may be first now, or room may have come with the leaver's bytes).
     fn leave_queue(&mut self, waiter: &Arc<Waiter>) {
-        let Some(at) = self.waiting.iter().position(|w| Arc::ptr_eq(w, waiter)) else {
-            return;
-        };
-        self.waiting.remove(at);
-        if at == 0 {
-            self.tell_first();
-        }
+        self.waiting.retain(|w| !Arc::ptr_eq(w, waiter));
+        self.tell_first();
     }
 }
 
@@ -432,10 +420,7 @@ impl Drop for PoolShare {
         let gone = {
             let mut st = self.pool.lock();
             st.in_use -= self.held;
-            if let Some(at) = st.waiting.iter().position(|w| Arc::ptr_eq(w, &self.waiter)) {
-                st.waiting.remove(at);
-            }
-            st.tell_first();
+            st.leave_queue(&self.waiter);
             st.shares -= 1;
             match &self.own_pd {
                 // No connection left to use them: memory back to what it
